@@ -1,0 +1,17 @@
+# The two entry points named at the top of README.md. Both bootstrap .venv.
+PY := .venv/bin/python
+ENV := . scripts/env.sh &&
+
+.PHONY: bootstrap hub test bench
+
+bootstrap:
+	bash scripts/bootstrap.sh
+
+hub: bootstrap
+	$(ENV) $(PY) build/hub.py all --out dist/hub
+
+test: bootstrap
+	$(ENV) $(PY) -m pytest -q tests
+
+bench: bootstrap
+	$(ENV) $(PY) bench/bench_ragged_dot.py
