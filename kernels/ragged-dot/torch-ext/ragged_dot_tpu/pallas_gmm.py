@@ -1,0 +1,367 @@
+"""Pallas TPU grouped matmuls: the ragged dot forward and its two backwards.
+
+``gmm(lhs [M, K], rhs, group_sizes [G])`` multiplies the rows of group ``g``
+by ``rhs[g]``; ``rhs`` is ``[G, N, K]`` ("nk", Transformers' ``[E, out, in]``)
+or ``[G, K, N]`` ("kn"). Both are read in place: the "nk" tile is fed to the
+MXU as a transposed operand, never materialised transposed in HBM.
+
+``tgmm(lhs [M, K], dout [M, N], group_sizes)`` is the weight gradient, per
+group ``lhs_g^T @ dout_g``, laid out like ``rhs``.
+
+How rows map to grid steps. The rows ``[0, M)`` are cut into *segments*:
+a zero prefix (rows of groups before the local window), one segment per
+local group, and a zero suffix (groups after the window and the rows past
+``sum(group_sizes)``). The kernel walks *visits*: pairs (segment, row tile)
+for every row tile a non-empty segment touches, in row order. A tile that
+straddles a boundary is visited once per segment and each visit stores only
+its own rows, so every output row is written exactly once, rows outside the
+local groups are written as zeros, and empty groups cost no step at all. The
+number of visits is data dependent and becomes the (dynamic) grid size; its
+static bound is ``tiles_m + segments - 1``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from . import tiling as tiling_lib
+
+RhsLayout = Literal["nk", "kn"]
+
+
+# ----------------------------------------------------------------------------
+# Routing metadata (plain XLA, runs before the kernel)
+# ----------------------------------------------------------------------------
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def local_window(group_sizes, group_offset, num_local_groups):
+    """Row range ``[start, end)`` covered by groups ``offset .. offset+local``."""
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    local_starts = lax.dynamic_slice_in_dim(starts, group_offset, num_local_groups)
+    local_ends = lax.dynamic_slice_in_dim(ends, group_offset, num_local_groups)
+    return local_starts, local_ends
+
+
+def make_visits(seg_starts, seg_ends, *, tm: int, tiles_m: int, visit_empty: bool):
+    """Visit list for segments given by row bounds.
+
+    Returns ``(segment_of_visit, tile_of_visit, num_visits)``. Both arrays have
+    the static bound length plus one trailing sentinel (segment -1) so a
+    kernel can peek at visit ``v + 1``. ``visit_empty`` gives empty segments
+    one (fully masked) visit, which the weight gradient needs to write zeros.
+    """
+    num_segments = seg_starts.shape[0]
+    nonempty = seg_ends > seg_starts
+    # Clipping keeps every block index in bounds even for group sizes that
+    # were not validated (negative, or summing past M): no DMA leaves the
+    # arrays, whatever the data.
+    first_tile = jnp.clip(seg_starts // tm, 0, tiles_m - 1)
+    last_tile = jnp.where(nonempty, jnp.clip((seg_ends - 1) // tm, first_tile, tiles_m - 1), first_tile)
+    tiles = jnp.where(nonempty, last_tile - first_tile + 1, 1 if visit_empty else 0)
+    visit_end = jnp.cumsum(tiles)
+    num_visits = visit_end[-1]
+    bound = tiles_m + num_segments - (0 if visit_empty else 1)
+    v = jnp.arange(bound + 1, dtype=jnp.int32)
+    seg = jnp.minimum(jnp.searchsorted(visit_end, v, side="right"), num_segments - 1)
+    seg = seg.astype(jnp.int32)
+    tile = first_tile[seg] + (v - (visit_end[seg] - tiles[seg]))
+    tile = jnp.clip(tile, 0, tiles_m - 1).astype(jnp.int32)
+    live = v < num_visits
+    seg = jnp.where(live, seg, -1)
+    tile = jnp.where(live, tile, tile[jnp.maximum(num_visits - 1, 0)])
+    return seg, tile, num_visits.astype(jnp.int32)
+
+
+def _row_mask(shape, tile, tm, start, end):
+    rows = tile * tm + lax.broadcasted_iota(jnp.int32, shape, 0)
+    return (rows >= start) & (rows < end)
+
+
+def _zero_past(x, axis: int, valid):
+    """Zeros entries of ``x`` at positions ``>= valid`` along ``axis``."""
+    idx = lax.broadcasted_iota(jnp.int32, x.shape, axis)
+    return jnp.where(idx < valid, x, jnp.zeros_like(x))
+
+
+def _dot(x, w, contract_x: int, contract_w: int):
+    # Full-precision passes for f32 operands; 16-bit operands are exact in one.
+    wide = x.dtype == jnp.float32 or w.dtype == jnp.float32
+    return lax.dot_general(
+        x,
+        w,
+        (((contract_x,), (contract_w,)), ((), ())),
+        preferred_element_type=jnp.float32,
+        precision=lax.Precision.HIGHEST if wide else None,
+    )
+
+
+def _compiler_params(generation, semantics):
+    gen = tiling_lib.get_generation(generation)
+    return pltpu.CompilerParams(
+        dimension_semantics=semantics, vmem_limit_bytes=gen.vmem_limit
+    )
+
+
+# ----------------------------------------------------------------------------
+# Forward: out[rows of g] = lhs[rows of g] @ rhs[g]
+# ----------------------------------------------------------------------------
+
+
+def _gmm_kernel(
+    seg_ref, tile_ref, seg_start_ref, seg_end_ref,  # scalar prefetch (SMEM)
+    lhs_ref, rhs_ref,  # inputs (VMEM)
+    out_ref,  # output (VMEM)
+    acc_ref,  # f32 scratch
+    *, tm: int, tk: int, k: int, tiles_k: int, num_segments: int, rhs_layout: str,
+):
+    v, k_i = pl.program_id(1), pl.program_id(2)
+    seg, tile = seg_ref[v], tile_ref[v]
+    is_local = (seg > 0) & (seg < num_segments - 1)
+    w_contract = 1 if rhs_layout == "nk" else 0
+
+    @pl.when(k_i == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    def accumulate(mask_k_tail: bool):
+        x, w = lhs_ref[...], rhs_ref[...]
+        if mask_k_tail:  # garbage past K on both sides (0 * NaN is NaN)
+            valid = k - k_i * tk
+            x = _zero_past(x, 1, valid)
+            w = _zero_past(w, w_contract, valid)
+        acc_ref[...] += _dot(x, w, 1, w_contract)
+
+    k_rem = k % tk
+    if k_rem == 0:
+        pl.when(is_local)(lambda: accumulate(False))
+    else:
+        pl.when(is_local & (k_i < tiles_k - 1))(lambda: accumulate(False))
+        pl.when(is_local & (k_i == tiles_k - 1))(lambda: accumulate(True))
+
+    @pl.when(k_i == tiles_k - 1)
+    def _store():
+        mine = _row_mask(out_ref.shape, tile, tm, seg_start_ref[seg], seg_end_ref[seg])
+        # The first visit of a row tile owns it; later visits (next segments in
+        # the same tile) merge into what is already in VMEM.
+        continues_tile = (v > 0) & (tile_ref[jnp.maximum(v - 1, 0)] == tile)
+        previous = jnp.where(continues_tile, out_ref[...], jnp.zeros_like(out_ref))
+        out_ref[...] = jnp.where(mine, acc_ref[...].astype(out_ref.dtype), previous)
+
+
+def gmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    rhs_layout: RhsLayout = "nk",
+    group_offset: int | jax.Array = 0,
+    out_dtype=None,
+    tiling: tiling_lib.Tiling | tuple[int, int, int] | None = None,
+    generation: str | None = None,
+    interpret=False,
+) -> jax.Array:
+    """Grouped matmul. See the module docstring; inputs are assumed valid."""
+    m, k = lhs.shape
+    num_local = rhs.shape[0]
+    n = rhs.shape[1] if rhs_layout == "nk" else rhs.shape[2]
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    if m == 0:
+        return jnp.zeros((0, n), out_dtype)
+    t = _resolve_tiling(tiling, m, k, n, num_local, lhs, rhs, out_dtype, generation)
+    tm, tk, tn = t.as_tuple()
+    tiles_m, tiles_k, tiles_n = _cdiv(m, tm), _cdiv(k, tk), _cdiv(n, tn)
+
+    local_starts, local_ends = local_window(group_sizes, group_offset, num_local)
+    window_start, window_end = local_starts[0], local_ends[-1]
+    zero = jnp.zeros((1,), jnp.int32)
+    seg_starts = jnp.concatenate([zero, local_starts, window_end[None]])
+    seg_ends = jnp.concatenate([window_start[None], local_ends, zero + m])
+    seg, tile, num_visits = make_visits(
+        seg_starts, seg_ends, tm=tm, tiles_m=tiles_m, visit_empty=False
+    )
+    num_segments = num_local + 2
+
+    def local_group(s):
+        return jnp.clip(s - 1, 0, num_local - 1)
+
+    lhs_spec = pl.BlockSpec((tm, tk), lambda n_i, v, k_i, seg, tile, *_: (tile[v], k_i))
+    if rhs_layout == "nk":
+        rhs_spec = pl.BlockSpec(
+            (pl.Squeezed(), tn, tk),
+            lambda n_i, v, k_i, seg, *_: (local_group(seg[v]), n_i, k_i),
+        )
+    else:
+        rhs_spec = pl.BlockSpec(
+            (pl.Squeezed(), tk, tn),
+            lambda n_i, v, k_i, seg, *_: (local_group(seg[v]), k_i, n_i),
+        )
+    out_spec = pl.BlockSpec((tm, tn), lambda n_i, v, k_i, seg, tile, *_: (tile[v], n_i))
+
+    kernel = functools.partial(
+        _gmm_kernel, tm=tm, tk=tk, k=k, tiles_k=tiles_k,
+        num_segments=num_segments, rhs_layout=rhs_layout,
+    )
+    cost = pl.CostEstimate(
+        flops=2 * m * k * n,
+        transcendentals=0,
+        bytes_accessed=(
+            lhs.size * lhs.dtype.itemsize * tiles_n
+            + rhs.size * rhs.dtype.itemsize
+            + m * n * out_dtype.itemsize
+        ),
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(tiles_n, num_visits, tiles_k),
+            in_specs=[lhs_spec, rhs_spec],
+            out_specs=out_spec,
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+        ),
+        compiler_params=_compiler_params(
+            generation, ("parallel", "arbitrary", "arbitrary")
+        ),
+        interpret=interpret,
+        cost_estimate=cost,
+        name=f"ragged_dot_gmm_{rhs_layout}",
+    )(seg, tile, seg_starts, seg_ends, lhs, rhs)
+
+
+# ----------------------------------------------------------------------------
+# Weight gradient: d_rhs[g] = lhs_g^T @ dout_g   (laid out like rhs)
+# ----------------------------------------------------------------------------
+
+
+def _tgmm_kernel(
+    seg_ref, tile_ref, seg_start_ref, seg_end_ref,
+    lhs_ref, dout_ref,
+    out_ref,
+    acc_ref,
+    *, tm: int, rhs_layout: str,
+):
+    v = pl.program_id(2)
+    seg, tile = seg_ref[v], tile_ref[v]
+    starts_group = (v == 0) | (seg_ref[jnp.maximum(v - 1, 0)] != seg)
+    ends_group = seg_ref[v + 1] != seg  # the sentinel -1 ends the last group
+
+    @pl.when(starts_group)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    start, end = seg_start_ref[seg], seg_end_ref[seg]
+    x = lhs_ref[...]
+    dy = dout_ref[...]
+    # Rows of other groups and rows past M (garbage) must not contribute.
+    x = jnp.where(_row_mask(x.shape, tile, tm, start, end), x, jnp.zeros_like(x))
+    dy = jnp.where(_row_mask(dy.shape, tile, tm, start, end), dy, jnp.zeros_like(dy))
+    if rhs_layout == "kn":
+        acc_ref[...] += _dot(x, dy, 0, 0)  # [tk, tn]
+    else:
+        acc_ref[...] += _dot(dy, x, 0, 0)  # [tn, tk]
+
+    @pl.when(ends_group)
+    def _store():
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+def tgmm(
+    lhs: jax.Array,
+    dout: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    num_local_groups: int,
+    rhs_layout: RhsLayout = "nk",
+    group_offset: int | jax.Array = 0,
+    out_dtype=None,
+    tiling: tiling_lib.Tiling | tuple[int, int, int] | None = None,
+    generation: str | None = None,
+    interpret=False,
+) -> jax.Array:
+    """Per-group ``lhs^T @ dout``: ``[G_local, N, K]`` ("nk") or ``[G_local, K, N]``."""
+    m, k = lhs.shape
+    n = dout.shape[1]
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    out_shape = (num_local_groups, n, k) if rhs_layout == "nk" else (num_local_groups, k, n)
+    if m == 0:
+        return jnp.zeros(out_shape, out_dtype)
+    t = _resolve_tiling(tiling, m, k, n, num_local_groups, lhs, dout, out_dtype, generation)
+    tm, tk, tn = t.as_tuple()
+    tiles_m, tiles_k, tiles_n = _cdiv(m, tm), _cdiv(k, tk), _cdiv(n, tn)
+
+    seg_starts, seg_ends = local_window(group_sizes, group_offset, num_local_groups)
+    seg, tile, num_visits = make_visits(
+        seg_starts, seg_ends, tm=tm, tiles_m=tiles_m, visit_empty=True
+    )
+    if rhs_layout == "kn":
+        grid = (tiles_k, tiles_n, num_visits)
+        lhs_spec = pl.BlockSpec((tm, tk), lambda a, b, v, seg, tile, *_: (tile[v], a))
+        dout_spec = pl.BlockSpec((tm, tn), lambda a, b, v, seg, tile, *_: (tile[v], b))
+        out_spec = pl.BlockSpec(
+            (pl.Squeezed(), tk, tn), lambda a, b, v, seg, *_: (seg[v], a, b)
+        )
+        acc_shape = (tk, tn)
+    else:
+        grid = (tiles_n, tiles_k, num_visits)
+        lhs_spec = pl.BlockSpec((tm, tk), lambda a, b, v, seg, tile, *_: (tile[v], b))
+        dout_spec = pl.BlockSpec((tm, tn), lambda a, b, v, seg, tile, *_: (tile[v], a))
+        out_spec = pl.BlockSpec(
+            (pl.Squeezed(), tn, tk), lambda a, b, v, seg, *_: (seg[v], a, b)
+        )
+        acc_shape = (tn, tk)
+
+    kernel = functools.partial(_tgmm_kernel, tm=tm, rhs_layout=rhs_layout)
+    cost = pl.CostEstimate(
+        flops=2 * m * k * n,
+        transcendentals=0,
+        bytes_accessed=(
+            lhs.size * lhs.dtype.itemsize * tiles_n
+            + dout.size * dout.dtype.itemsize * tiles_k
+            + num_local_groups * k * n * out_dtype.itemsize
+        ),
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=grid,
+            in_specs=[lhs_spec, dout_spec],
+            out_specs=out_spec,
+            scratch_shapes=[pltpu.VMEM(acc_shape, jnp.float32)],
+        ),
+        compiler_params=_compiler_params(
+            generation, ("parallel", "parallel", "arbitrary")
+        ),
+        interpret=interpret,
+        cost_estimate=cost,
+        name=f"ragged_dot_tgmm_{rhs_layout}",
+    )(seg, tile, seg_starts, seg_ends, lhs, dout)
+
+
+def _resolve_tiling(tiling, m, k, n, num_groups, lhs, rhs, out_dtype, generation):
+    if tiling is None:
+        return tiling_lib.choose_tiling(
+            m, k, n, num_groups,
+            lhs_itemsize=lhs.dtype.itemsize,
+            rhs_itemsize=rhs.dtype.itemsize,
+            out_itemsize=out_dtype.itemsize,
+            generation=generation,
+        )
+    t = tiling if isinstance(tiling, tiling_lib.Tiling) else tiling_lib.Tiling(*tiling)
+    tiling_lib.validate_tiling(t, m, k, n, lhs.dtype.itemsize)
+    return t
