@@ -150,11 +150,13 @@ _TPU_OPS: dict[str, object] = {}
 
 
 def tpu_available() -> bool:
-    tpu = getattr(torch, "tpu", None)
+    """True when torch's current accelerator is a TPU (never initialises libtpu)."""
+    accelerator = getattr(torch, "accelerator", None)
     try:
-        return bool(tpu is not None and tpu.is_available())
+        device = accelerator.current_accelerator() if accelerator else None
     except Exception:  # noqa: BLE001 - a broken backend means "no TPU"
         return False
+    return device is not None and device.type == "tpu"
 
 
 def register_tpu_ops() -> dict[str, object]:
