@@ -1,0 +1,60 @@
+"""Independent float64 references: plain loops over groups in numpy."""
+
+import numpy as np
+
+
+def bounds(group_sizes):
+    ends = np.cumsum(np.asarray(group_sizes, dtype=np.int64))
+    return ends - np.asarray(group_sizes, dtype=np.int64), ends
+
+
+def ragged_dot(lhs, rhs, group_sizes, rhs_layout="nk", group_offset=0):
+    """out[rows of g] = lhs[rows of g] @ W_g for local g; every other row 0."""
+    lhs = np.asarray(lhs, dtype=np.float64)
+    rhs = np.asarray(rhs, dtype=np.float64)
+    n = rhs.shape[1] if rhs_layout == "nk" else rhs.shape[2]
+    out = np.zeros((lhs.shape[0], n))
+    starts, ends = bounds(group_sizes)
+    for local in range(rhs.shape[0]):
+        g = group_offset + local
+        w = rhs[local].T if rhs_layout == "nk" else rhs[local]
+        for row in range(starts[g], ends[g]):
+            out[row] = lhs[row] @ w
+    return out
+
+
+def weight_grad(lhs, dout, group_sizes, num_local, rhs_layout="nk", group_offset=0):
+    lhs = np.asarray(lhs, dtype=np.float64)
+    dout = np.asarray(dout, dtype=np.float64)
+    k, n = lhs.shape[1], dout.shape[1]
+    grad = np.zeros((num_local, k, n))
+    starts, ends = bounds(group_sizes)
+    for local in range(num_local):
+        g = group_offset + local
+        for row in range(starts[g], ends[g]):
+            grad[local] += np.outer(lhs[row], dout[row])
+    return grad.transpose(0, 2, 1) if rhs_layout == "nk" else grad
+
+
+def random_group_sizes(rng, num_groups, m, kind):
+    """Group sizes for the scenarios the kernels must get right."""
+    if kind == "random":
+        cuts = np.sort(rng.integers(0, m + 1, size=num_groups - 1))
+        return np.diff(np.concatenate([[0], cuts, [rng.integers(cuts[-1] if len(cuts) else 0, m + 1)]]))
+    sizes = np.zeros(num_groups, dtype=np.int64)
+    if kind == "one_huge":
+        sizes[rng.integers(num_groups)] = m
+    elif kind == "all_last":
+        sizes[-1] = m
+    elif kind == "sum_below_m":
+        sizes[: num_groups // 2] = max(1, m // (2 * max(1, num_groups // 2)))
+    elif kind == "all_empty":
+        pass
+    elif kind == "with_zeros":
+        sizes = rng.integers(0, 2 * m // num_groups + 1, size=num_groups)
+        sizes[:: 2] = 0
+        while sizes.sum() > m:
+            sizes[np.argmax(sizes)] -= 1
+    else:
+        raise ValueError(kind)
+    return sizes

@@ -1,0 +1,161 @@
+"""Interpret-mode numerics of the Pallas kernels against the float64 loops.
+
+The interpreter poisons memory (uninitialised and out-of-bounds reads are
+NaN), so an output element the kernel never writes, or a tail it fails to
+mask, shows up as NaN and fails the comparison.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+import reference
+from ragged_dot_tpu import jax_bridge, pallas_gmm
+
+SEED = int(os.environ.get("TEST_SEED", np.random.SeedSequence().entropy % (2**31)))
+TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+KINDS = ["random", "with_zeros", "one_huge", "all_last", "sum_below_m", "all_empty"]
+
+
+def _inputs(rng, m, k, n, num_groups, kind, layout, dtype, num_local=None, offset=0):
+    num_local = num_groups if num_local is None else num_local
+    sizes = reference.random_group_sizes(rng, num_groups, m, kind).astype(np.int32)
+    lhs = rng.standard_normal((m, k)).astype(np.float32)
+    rhs_shape = (num_local, n, k) if layout == "nk" else (num_local, k, n)
+    rhs = rng.standard_normal(rhs_shape).astype(np.float32)
+    # Round through the kernel dtype so the reference sees the same inputs.
+    lhs = np.asarray(jnp.asarray(lhs, dtype).astype(jnp.float32))
+    rhs = np.asarray(jnp.asarray(rhs, dtype).astype(jnp.float32))
+    return lhs, rhs, sizes
+
+
+def _scale(k):
+    return np.sqrt(k)  # entries of a K-long dot of N(0,1) values grow like sqrt(K)
+
+
+def _assert_close(got, want, dtype, k, what):
+    tol = TOL[dtype]
+    got = np.asarray(jnp.asarray(got).astype(jnp.float32), dtype=np.float64)
+    assert not np.isnan(got).any(), f"{what}: NaN (unwritten or unmasked) elements, seed={SEED}"
+    np.testing.assert_allclose(
+        got / _scale(k), want / _scale(k), rtol=tol["rtol"], atol=tol["atol"],
+        err_msg=f"{what} seed={SEED}",
+    )
+
+
+def _gmm(lhs, rhs, sizes, layout, dtype, **kw):
+    return pallas_gmm.gmm(
+        jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype), jnp.asarray(sizes),
+        rhs_layout=layout, interpret=jax_bridge.interpret_params(), **kw,
+    )
+
+
+def _tgmm(lhs, dout, sizes, num_local, layout, dtype, **kw):
+    return pallas_gmm.tgmm(
+        jnp.asarray(lhs, dtype), jnp.asarray(dout, dtype), jnp.asarray(sizes),
+        num_local_groups=num_local, rhs_layout=layout,
+        interpret=jax_bridge.interpret_params(), **kw,
+    )
+
+
+def test_poisoning_is_active():
+    """The poison the other tests rely on: a kernel that writes nothing gives NaN."""
+
+    def writes_nothing(x_ref, o_ref):
+        del x_ref, o_ref
+
+    out = pl.pallas_call(
+        writes_nothing, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        interpret=jax_bridge.interpret_params(),
+    )(jnp.ones((8, 128), jnp.float32))
+    assert np.isnan(np.asarray(out)).all()
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_forward_f32(layout, kind):
+    rng = np.random.default_rng([SEED, KINDS.index(kind), layout == "nk"])
+    m, k, n, g = int(rng.integers(1, 70)), int(rng.integers(1, 150)), int(rng.integers(1, 140)), int(rng.integers(1, 7))
+    lhs, rhs, sizes = _inputs(rng, m, k, n, g, kind, layout, jnp.float32)
+    out = _gmm(lhs, rhs, sizes, layout, jnp.float32)
+    assert out.shape == (m, n)
+    _assert_close(out, reference.ragged_dot(lhs, rhs, sizes, layout), jnp.float32, k,
+                  f"gmm m={m} k={k} n={n} sizes={sizes.tolist()}")
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("kind", ["random", "with_zeros"])
+def test_forward_bf16(layout, kind):
+    rng = np.random.default_rng([SEED, 100 + KINDS.index(kind), layout == "nk"])
+    m, k, n, g = 50, 96, 72, 5
+    lhs, rhs, sizes = _inputs(rng, m, k, n, g, kind, layout, jnp.bfloat16)
+    for out_dtype in (jnp.bfloat16, jnp.float32):
+        out = _gmm(lhs, rhs, sizes, layout, jnp.bfloat16, out_dtype=out_dtype)
+        assert out.dtype == out_dtype
+        _assert_close(out, reference.ragged_dot(lhs, rhs, sizes, layout), jnp.bfloat16, k, "gmm bf16")
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_forward_multi_tile_with_tails(layout):
+    """Several tiles in every dim, none of M, K, N a multiple of its tile."""
+    rng = np.random.default_rng([SEED, 7, layout == "nk"])
+    m, k, n, g = 75, 300, 260, 6
+    lhs, rhs, sizes = _inputs(rng, m, k, n, g, "with_zeros", layout, jnp.float32)
+    out = _gmm(lhs, rhs, sizes, layout, jnp.float32, tiling=(16, 128, 128))
+    _assert_close(out, reference.ragged_dot(lhs, rhs, sizes, layout), jnp.float32, k, "gmm tiled")
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("offset,num_local", [(0, 2), (2, 3), (5, 1)])
+def test_forward_local_group_window(layout, offset, num_local):
+    rng = np.random.default_rng([SEED, 9, offset, layout == "nk"])
+    m, k, n, g = 60, 40, 48, 6
+    lhs, rhs, sizes = _inputs(rng, m, k, n, g, "random", layout, jnp.float32, num_local, offset)
+    out = _gmm(lhs, rhs, sizes, layout, jnp.float32, group_offset=offset, tiling=(8, 40, 48))
+    want = reference.ragged_dot(lhs, rhs, sizes, layout, group_offset=offset)
+    _assert_close(out, want, jnp.float32, k, f"gmm window offset={offset}")
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("kind", ["random", "with_zeros", "all_last", "all_empty"])
+def test_weight_grad(layout, kind):
+    rng = np.random.default_rng([SEED, 200 + KINDS.index(kind), layout == "nk"])
+    m, k, n, g = int(rng.integers(1, 70)), int(rng.integers(1, 150)), int(rng.integers(1, 140)), int(rng.integers(1, 6))
+    lhs, _, sizes = _inputs(rng, m, k, n, g, kind, layout, jnp.float32)
+    dout = rng.standard_normal((m, n)).astype(np.float32)
+    got = _tgmm(lhs, dout, sizes, g, layout, jnp.float32)
+    want = reference.weight_grad(lhs, dout, sizes, g, layout)
+    assert got.shape == want.shape
+    _assert_close(got, want, jnp.float32, m, f"tgmm m={m} k={k} n={n} sizes={sizes.tolist()}")
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_weight_grad_tiled_window_bf16(layout):
+    rng = np.random.default_rng([SEED, 300, layout == "nk"])
+    m, k, n, g, offset, num_local = 90, 200, 150, 6, 1, 4
+    lhs, _, sizes = _inputs(rng, m, k, n, g, "with_zeros", layout, jnp.bfloat16, num_local, offset)
+    dout = np.asarray(jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16).astype(jnp.float32))
+    got = _tgmm(lhs, dout, sizes, num_local, layout, jnp.bfloat16, group_offset=offset,
+                tiling=(16, 128, 128), out_dtype=jnp.float32)
+    want = reference.weight_grad(lhs, dout, sizes, num_local, layout, group_offset=offset)
+    _assert_close(got, want, jnp.bfloat16, m, "tgmm tiled window")
+
+
+def test_empty_lhs():
+    out = pallas_gmm.gmm(jnp.zeros((0, 8)), jnp.ones((2, 4, 8)), jnp.zeros((2,), jnp.int32))
+    assert out.shape == (0, 4)
+
+
+def test_visit_count_skips_empty_groups():
+    """Empty groups add no grid step: visits = row tiles + non-empty boundaries."""
+    sizes = jnp.asarray([0, 0, 16, 0, 0, 0, 8, 0], jnp.int32)
+    starts, ends = pallas_gmm.local_window(sizes, 0, 8)
+    zero = jnp.zeros((1,), jnp.int32)
+    seg_starts = jnp.concatenate([zero, starts, ends[-1:]])
+    seg_ends = jnp.concatenate([starts[:1], ends, zero + 32])
+    _, _, visits = pallas_gmm.make_visits(seg_starts, seg_ends, tm=8, tiles_m=4, visit_empty=False)
+    assert int(visits) == 4  # rows 0-15, 16-23, and the zero tail 24-31
