@@ -886,7 +886,8 @@ def run_all(out: Path, org: str | None, names: list[str] | None, parallel: int, 
     table = [("kernel", "load method", "variant", "result")]
     for (name, method), r in zip(rows, results):
         if r["ok"]:
-            status = f"ok (max err {r['max_err']:.2e})"
+            cases = f"{r['cases']} cases, " if r.get("cases") else ""
+            status = f"ok ({cases}max err {r['max_err']:.2e})"
         else:
             status = f"FAIL: {r.get('error') or 'mismatch'}"
         table.append((name, method, r.get("variant") or "-", status))

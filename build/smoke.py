@@ -16,6 +16,8 @@ A manifest picks its check with `[smoke] entry`, a key of SMOKES below.
 from __future__ import annotations
 
 import argparse
+import inspect
+import itertools
 import json
 import os
 import sys
@@ -36,7 +38,8 @@ def _ragged_dot_reference(lhs, rhs_nk, group_sizes, m):
 
 def smoke_ragged_dot(kernel) -> dict:
     """ragged_dot on small float32 CPU tensors, both rhs layouts, an empty group
-    and rows past sum(group_sizes), against a float64 numpy reference."""
+    and rows past sum(group_sizes), against a float64 numpy reference; through
+    the default CPU path and, if offered, the Pallas kernel in interpret mode."""
     import numpy as np
     import torch
 
@@ -48,22 +51,28 @@ def smoke_ragged_dot(kernel) -> dict:
     ref = _ragged_dot_reference(lhs, rhs_nk, group_sizes, m)
     total = int(group_sizes.sum())
 
+    # The default path, and the Pallas kernel in interpret mode where the API offers it.
+    impls = [{}]
+    if "impl" in inspect.signature(kernel.ragged_dot).parameters:
+        impls.append({"impl": "interpret"})
+    layouts = (("nk", rhs_nk), ("kn", np.ascontiguousarray(rhs_nk.transpose(0, 2, 1))))
     max_err, problems = 0.0, []
-    for layout, rhs in (("nk", rhs_nk), ("kn", np.ascontiguousarray(rhs_nk.transpose(0, 2, 1)))):
+    for extra, (layout, rhs) in itertools.product(impls, layouts):
+        label = f"{layout}{' ' + extra['impl'] if extra else ''}"
         out = kernel.ragged_dot(
-            torch.from_numpy(lhs), torch.from_numpy(rhs), torch.from_numpy(group_sizes), rhs_layout=layout
+            torch.from_numpy(lhs), torch.from_numpy(rhs), torch.from_numpy(group_sizes), rhs_layout=layout, **extra
         )
         if tuple(out.shape) != (m, n):
-            problems.append(f"{layout}: shape {tuple(out.shape)}, want {(m, n)}")
+            problems.append(f"{label}: shape {tuple(out.shape)}, want {(m, n)}")
             continue
         got = out.detach().to(torch.float64).cpu().numpy()
         if np.any(got[total:] != 0):
-            problems.append(f"{layout}: rows past sum(group_sizes) are not zero")
+            problems.append(f"{label}: rows past sum(group_sizes) are not zero")
         err = float(np.max(np.abs(got - ref)))
         max_err = max(max_err, err)
         if not err <= 1e-3:
-            problems.append(f"{layout}: max abs error {err:.3g} > 1e-3")
-    return {"ok": not problems, "max_err": max_err, "detail": problems}
+            problems.append(f"{label}: max abs error {err:.3g} > 1e-3")
+    return {"ok": not problems, "max_err": max_err, "detail": problems, "cases": len(impls) * len(layouts)}
 
 
 SMOKES = {"ragged_dot": smoke_ragged_dot}
