@@ -40,6 +40,15 @@ TORCH_TO_JAX_DTYPE = {
 }
 
 
+def jax_dtype(dtype) -> str:
+    """JAX dtype name of a torch dtype (or of what jax_op turned it into)."""
+    if isinstance(dtype, torch.dtype):
+        return TORCH_TO_JAX_DTYPE[dtype]
+    import numpy as np
+
+    return np.dtype(dtype).name
+
+
 def to_jax(t: torch.Tensor):
     """Zero-copy view of a CPU tensor as a jax.Array."""
     jax = import_jax()

@@ -11,7 +11,7 @@ import torch
 
 from . import pallas_gmm, tiling as tiling_lib
 from ._ops import op_name
-from .jax_bridge import TORCH_TO_JAX_DTYPE, tiling_arg
+from .jax_bridge import jax_dtype, tiling_arg
 
 
 def current_generation() -> str:
@@ -41,7 +41,7 @@ def make_ops():
     ) -> jax.Array:
         return pallas_gmm.gmm(
             lhs, rhs, group_sizes.astype(jnp.int32), rhs_layout=rhs_layout,
-            group_offset=group_offset, out_dtype=TORCH_TO_JAX_DTYPE[out_dtype],
+            group_offset=group_offset, out_dtype=jax_dtype(out_dtype),
             tiling=tiling_arg(tm, tk, tn), generation=current_generation(),
         )
 
@@ -61,7 +61,7 @@ def make_ops():
         return pallas_gmm.tgmm(
             lhs, dout, group_sizes.astype(jnp.int32), num_local_groups=num_local_groups,
             rhs_layout=rhs_layout, group_offset=group_offset,
-            out_dtype=TORCH_TO_JAX_DTYPE[out_dtype], tiling=tiling_arg(tm, tk, tn),
+            out_dtype=jax_dtype(out_dtype), tiling=tiling_arg(tm, tk, tn),
             generation=current_generation(),
         )
 
