@@ -588,7 +588,7 @@ def write_tree(files: dict[str, bytes], dest: Path) -> None:
 
 
 def build(out: Path, org: str | None = None, names: list[str] | None = None) -> list[BuiltRepo]:
-    built = []
+    built, out = [], Path(out).resolve()
     for m in load_manifests(names, org):
         files, namespace, ids = plan_repo(m)
         dest = out / m.name
@@ -809,7 +809,7 @@ def smoke_command(
             "HF_HUB_DISABLE_TELEMETRY": "1",
             "PYTHONDONTWRITEBYTECODE": "1",
             "KERNELS_CACHE": None,
-            "LOCAL_KERNELS": f"{repo_id}={tree}" if method == "LOCAL_KERNELS" else None,
+            "LOCAL_KERNELS": f"{repo_id}={tree.resolve()}" if method == "LOCAL_KERNELS" else None,
         }
     )
     cmd = [

@@ -87,8 +87,9 @@ def load(method: str, path: Path, repo_id: str, version: int):
     if method == "get_local_kernel":
         return kernels.get_local_kernel(path)
     if method == "LOCAL_KERNELS":
-        if os.environ.get("LOCAL_KERNELS") != f"{repo_id}={path}":
-            raise RuntimeError(f"LOCAL_KERNELS must be {repo_id}={path}")
+        key, _, value = os.environ.get("LOCAL_KERNELS", "").partition("=")
+        if key != repo_id or Path(value).resolve() != path:
+            raise RuntimeError(f"LOCAL_KERNELS must map {repo_id} to {path}")
         return kernels.get_kernel(repo_id, version=version)
     if method == "hub-cache":
         return kernels.get_kernel(repo_id, version=version)
