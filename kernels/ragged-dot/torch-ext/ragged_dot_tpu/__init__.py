@@ -6,7 +6,10 @@ CPU. jax is imported only when a Pallas path runs.
 """
 
 from ._ops import NAMESPACE
+from .experts import experts_forward
 from .ops import ragged_dot, register_tpu_ops
 from .tiling import Tiling, choose_tiling
 
-__all__ = ["NAMESPACE", "Tiling", "choose_tiling", "ragged_dot", "register_tpu_ops"]
+__all__ = [
+    "NAMESPACE", "Tiling", "choose_tiling", "experts_forward", "ragged_dot", "register_tpu_ops",
+]
