@@ -1,0 +1,147 @@
+"""Ragged dot benchmark: CPU timings as ratios against peers, TPU tilings.
+
+CPU (this host): our op's default path against the peers measured in the
+same run, at MoE expert shapes, bf16:
+  * ``jax.lax.ragged_dot`` (XLA's CPU backend),
+  * a per-group torch loop over every group (``torch.mm`` per expert, empty
+    groups included),
+  * ``torch._grouped_mm`` where this torch build has it for CPU.
+Ratios are peer time / our time (> 1 means we are faster).
+
+TPU (no chip here): for each generation, the tiling our rule picks and the
+VMEM working set, from an ahead-of-time compile through libtpu. No speed
+claims for TPUs.
+
+Usage: python bench/bench_ragged_dot.py [--tokens 1 64 512] [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "kernels" / "ragged-dot" / "torch-ext"))
+
+import ragged_dot_tpu  # noqa: E402
+from ragged_dot_tpu import aot  # noqa: E402
+
+SHAPES = {  # (hidden, intermediate, experts, top_k)
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "gpt-oss-20b": (2880, 2880, 32, 4),
+}
+XLA_ROW_BUDGET = 64  # XLA-on-CPU ragged_dot multiplies every group by every row: seconds per call
+
+
+def _time(fn, repeats: int) -> float:
+    fn()  # warm-up (and compile)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _routing(tokens, experts, top_k, gen):
+    picks = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    return torch.bincount(picks.reshape(-1), minlength=experts).to(torch.int32)
+
+
+def _peers(lhs, rhs, sizes):
+    offsets = torch.cumsum(sizes, 0).to(torch.int32)
+
+    def loop_all_groups():
+        out, start = [], 0
+        for g, size in enumerate(sizes.tolist()):
+            out.append(lhs[start:start + size] @ rhs[g].t())
+            start += size
+        return torch.cat(out)
+
+    peers = {"torch loop": loop_all_groups}
+    if hasattr(torch, "_grouped_mm"):
+        try:
+            torch._grouped_mm(lhs, rhs.transpose(1, 2), offs=offsets)
+            peers["torch._grouped_mm"] = lambda: torch._grouped_mm(lhs, rhs.transpose(1, 2), offs=offsets)
+        except (RuntimeError, NotImplementedError) as e:
+            print(f"torch._grouped_mm unavailable on CPU: {str(e).splitlines()[0]}")
+    if lhs.shape[0] <= XLA_ROW_BUDGET:
+        import jax
+        import jax.numpy as jnp
+
+        x, w = jnp.asarray(lhs.float().numpy(), jnp.bfloat16), jnp.asarray(rhs.float().numpy(), jnp.bfloat16)
+        s = jnp.asarray(sizes.numpy())
+        f = jax.jit(lambda a, b, c: jax.lax.ragged_dot(a, jnp.swapaxes(b, 1, 2), c))
+        peers["jax.lax.ragged_dot (XLA CPU)"] = lambda: f(x, w, s).block_until_ready()
+    return peers
+
+
+def cpu_table(tokens_list, repeats):
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for model, (hidden, inter, experts, top_k) in SHAPES.items():
+        rhs = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.02).bfloat16()
+        for tokens in tokens_list:
+            sizes = _routing(tokens, experts, top_k, gen)
+            lhs = torch.randn(tokens * top_k, hidden, generator=gen).bfloat16()
+            ours = _time(lambda: ragged_dot_tpu.ragged_dot(lhs, rhs, sizes), repeats)
+            row = {"model": model, "tokens": tokens, "ours_ms": ours * 1e3}
+            for name, fn in _peers(lhs, rhs, sizes).items():
+                row[name] = _time(fn, repeats) / ours
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def tpu_table(tokens_list):
+    rows = []
+    for generation in aot.TOPOLOGIES:
+        for model, (hidden, inter, experts, top_k) in SHAPES.items():
+            for tokens in tokens_list:
+                r = aot.compile_gmm(generation, tokens * top_k, hidden, 2 * inter, experts)
+                rows.append({"generation": generation, "model": model, "tokens": tokens,
+                             "tiling (tm,tk,tn)": r.tiling.as_tuple(),
+                             "VMEM working set (MiB)": r.vmem_working_set / 2**20})
+    return rows
+
+
+def markdown(rows, float_fmt="{:.2f}"):
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for r in rows:
+        cells = [float_fmt.format(r[k]) if isinstance(r.get(k), float) else str(r.get(k, "-")) for k in keys]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 512])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    cpu = cpu_table(args.tokens, args.repeats)
+    tpu = tpu_table([1, 64, 4096])
+    text = (
+        "# ragged_dot benchmark\n\n"
+        f"gate_up projection (`[T*top_k, H] x [E, 2I, H]`), bf16, {torch.get_num_threads()} CPU threads, "
+        "median of runs. Columns after `ours_ms` are peer time / our time (>1: ours faster).\n\n"
+        + markdown(cpu)
+        + "\n\n## TPU: tiling chosen and VMEM working set (AOT compile, no TPU attached)\n\n"
+        + markdown(tpu)
+        + "\n"
+    )
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ragged_dot.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
