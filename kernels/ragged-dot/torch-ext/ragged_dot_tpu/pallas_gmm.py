@@ -91,9 +91,14 @@ def _row_mask(shape, tile, tm, start, end):
 
 
 def _zero_past(x, axis: int, valid):
-    """Zeros entries of ``x`` at positions ``>= valid`` along ``axis``."""
+    """Zeros entries of ``x`` at positions ``>= valid`` along ``axis``.
+
+    The select runs in 32 bits: Mosaic cannot broadcast a mask over packed
+    16-bit rows when the block has fewer rows than a native tile (decode).
+    """
     idx = lax.broadcasted_iota(jnp.int32, x.shape, axis)
-    return jnp.where(idx < valid, x, jnp.zeros_like(x))
+    wide = x.astype(jnp.float32)
+    return jnp.where(idx < valid, wide, jnp.zeros_like(wide)).astype(x.dtype)
 
 
 def _dot(x, w, contract_x: int, contract_w: int):
@@ -363,5 +368,5 @@ def _resolve_tiling(tiling, m, k, n, num_groups, lhs, rhs, out_dtype, generation
             generation=generation,
         )
     t = tiling if isinstance(tiling, tiling_lib.Tiling) else tiling_lib.Tiling(*tiling)
-    tiling_lib.validate_tiling(t, m, k, n, lhs.dtype.itemsize)
+    tiling_lib.validate_tiling(t, m, k, n)
     return t

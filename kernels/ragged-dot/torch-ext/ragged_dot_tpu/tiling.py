@@ -44,10 +44,10 @@ GENERATIONS = {
     # v4 / v5p / v5e: 128x128 MXUs. v4 has 32 MiB of VMEM per core, v5e and
     # v6e 128 MiB, v5p 95 MiB; the budgets leave room for Mosaic's own scratch.
     "v4": Generation("v4", 128, 512, 512, 2048, 12 * _MIB, 16 * _MIB),
-    "v5e": Generation("v5e", 128, 512, 512, 2048, 24 * _MIB, 32 * _MIB),
-    "v5p": Generation("v5p", 128, 512, 512, 2048, 24 * _MIB, 32 * _MIB),
+    "v5e": Generation("v5e", 128, 512, 512, 4096, 24 * _MIB, 32 * _MIB),
+    "v5p": Generation("v5p", 128, 512, 512, 4096, 24 * _MIB, 32 * _MIB),
     # v6e: 256x256 MXU, so output tiles are multiples of 256.
-    "v6e": Generation("v6e", 256, 512, 1024, 2048, 24 * _MIB, 32 * _MIB),
+    "v6e": Generation("v6e", 256, 512, 1024, 4096, 24 * _MIB, 32 * _MIB),
 }
 DEFAULT_GENERATION = "v6e"
 
@@ -127,8 +127,9 @@ def choose_tiling(
     if tm is None:
         rows_per_group = -(-max(m, 1) // max(num_groups, 1))
         tm = min(max(_next_pow2(rows_per_group), sub), gen.tm_max)
-        # Never larger than M rounded up to the sublane tile.
-        tm = min(tm, -(-max(m, 1) // sub) * sub)
+        # Never larger than M rounded up to the sublane tile; below one native
+        # tile, the whole (tiny) M is the block, which is always legal.
+        tm = m if m < 8 else min(tm, -(-m // sub) * sub)
     auto_k, auto_n = tk is None, tn is None
     tk = _lane_tile(k, gen.tk_max) if tk is None else tk
     tn = _lane_tile(n, gen.tn_max) if tn is None else tn
@@ -149,15 +150,13 @@ def _halve_lane_aligned(x: int) -> int:
     return max(128, ((x // 2) + 127) // 128 * 128)
 
 
-def validate_tiling(t: Tiling, m: int, k: int, n: int, lhs_itemsize: int) -> None:
-    """Block-shape legality on TPU: (sublane, 128)-aligned or the full dim."""
-    sub = sublane(lhs_itemsize)
-    if t.tm <= 0 or t.tm % 8:
-        raise ValueError(f"tm: expected a positive multiple of 8, got {t.tm}")
+def validate_tiling(t: Tiling, m: int, k: int, n: int) -> None:
+    """Block-shape legality on TPU: (8, 128)-aligned or the full dim."""
+    if t.tm <= 0 or (t.tm % 8 and t.tm != m):
+        raise ValueError(f"tm: expected a positive multiple of 8 or M={m}, got {t.tm}")
     for name, size, dim in (("tk", t.tk, k), ("tn", t.tn, n)):
         if size <= 0 or (size % 128 and size != dim):
             raise ValueError(
                 f"{name}: expected a positive multiple of 128 or the full "
                 f"dimension {dim}, got {size}"
             )
-    del sub, m
