@@ -26,7 +26,16 @@ MODELS = {
     "mixtral": dict(model_type="mixtral", num_local_experts=6, num_experts_per_tok=2),
     "gpt_oss": dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2,
                     intermediate_size=32, layer_types=["full_attention", "sliding_attention"]),
+    "deepseek_v3": dict(model_type="deepseek_v3", n_routed_experts=8, n_shared_experts=1,
+                        num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=0,
+                        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                        v_head_dim=16, head_dim=8, n_group=1, topk_group=1),
+    "gemma4_text": dict(model_type="gemma4_text", enable_moe_block=True, num_experts=8, top_k_experts=2,
+                        moe_intermediate_size=32, hidden_activation="gelu_pytorch_tanh",
+                        layer_types=["full_attention", "sliding_attention"]),
 }
+FUSED = "ragged_dot_tpu_fused_interpret_test"
+ALL_EXPERTS_FUNCTIONS.register(FUSED, ragged_dot_tpu.experts.fused_experts_forward_interpret)
 
 
 def _model(kind, implementation, dtype=torch.float32):
@@ -53,6 +62,17 @@ def test_logits_match_eager(kind):
         got = ours(ids).logits
     assert len(CALLS) == 2  # one call per MoE layer: our path really ran
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss", "gemma4_text"])
+def test_fused_program_in_interpret_mode_matches_eager(kind):
+    """The TPU path's single JAX program (routing, Pallas matmuls, gate,
+    combine), run by the TPU interpreter inside a whole model."""
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = _model(kind, "eager")(ids).logits
+        got = _model(kind, FUSED)(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
@@ -111,3 +131,63 @@ def test_compiles_fullgraph_static():
     weights = torch.rand(5, 2)
     torch.testing.assert_close(fn(experts, hidden, index, weights),
                                ragged_dot_tpu.experts_forward(experts, hidden, index, weights))
+
+
+def _experts_module(cls_path, config):
+    import importlib
+
+    from transformers import PretrainedConfig
+
+    module_name, cls_name = cls_path.rsplit(".", 1)
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    torch.manual_seed(7)
+    experts = cls(PretrainedConfig(**config))
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.2)
+    return experts
+
+
+LAYOUT_MODULES = {
+    "has_gate=False (NemotronH, relu2)": (
+        "transformers.models.nemotron_h.modeling_nemotron_h.NemotronHExperts",
+        dict(n_routed_experts=6, hidden_size=32, moe_intermediate_size=24, moe_latent_size=None,
+             mlp_hidden_act="relu2")),
+    "has_post_expert_norm=True (MuseSpark)": (
+        "transformers.models.muse_spark.modeling_muse_spark.MuseSparkExperts",
+        dict(num_local_experts=6, moe_hidden_size=32, moe_intermediate_size=24, hidden_act="silu",
+             post_norm_eps=1e-6)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUT_MODULES))
+def test_other_expert_layouts_match_module_eager(name):
+    experts = _experts_module(*LAYOUT_MODULES[name])
+    gen = torch.Generator().manual_seed(8)
+    hidden = torch.randn(7, 32, generator=gen)
+    index = torch.randint(0, 6, (7, 2), generator=gen)
+    weights = torch.rand(7, 2, generator=gen)
+    assert experts.config._experts_implementation in (None, "eager")
+    with torch.no_grad():
+        want = experts(hidden, index, weights)  # the module's own eager loop
+        got = ragged_dot_tpu.experts_forward(experts, hidden, index, weights)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_program_refuses_what_it_cannot_express():
+    nemotron = _experts_module(*LAYOUT_MODULES["has_gate=False (NemotronH, relu2)"])
+    with pytest.raises(NotImplementedError, match="activation ReLUSquaredActivation"):
+        ragged_dot_tpu.experts.gate_of_module(nemotron)
+    muse = _experts_module(*LAYOUT_MODULES["has_post_expert_norm=True (MuseSpark)"])
+    with pytest.raises(NotImplementedError, match="post-expert norm"):
+        ragged_dot_tpu.experts._fused_args(muse)
+
+    class CustomGate(type(_model("qwen3_moe", "eager").model.layers[0].mlp.experts)):
+        def _apply_gate(self, gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            return gate * up
+
+    custom = CustomGate.__new__(CustomGate)
+    custom.__dict__.update(_model("qwen3_moe", "eager").model.layers[0].mlp.experts.__dict__)
+    with pytest.raises(NotImplementedError, match="overrides _apply_gate"):
+        ragged_dot_tpu.experts.gate_of_module(custom)

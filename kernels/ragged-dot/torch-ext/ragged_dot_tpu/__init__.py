@@ -6,6 +6,7 @@ CPU. jax is imported only when a Pallas path runs.
 """
 
 from ._ops import NAMESPACE
+from . import experts
 from .experts import experts_forward
 from .ops import ragged_dot, register_tpu_ops
 from .tiling import Tiling, choose_tiling

@@ -20,7 +20,42 @@ from __future__ import annotations
 
 import torch
 
-from .ops import ragged_dot
+from . import jax_bridge
+from .ops import ragged_dot, register_tpu_ops
+
+_GELU_TANH = {"GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "GELUPytorchTanh"}
+_ACTIVATION_NAMES = {
+    "SiLU": "silu", "SiLUActivation": "silu", "ReLU": "relu", "GELUActivation": "gelu",
+    **{name: "gelu_tanh" for name in _GELU_TANH},
+}
+
+
+def gate_of_module(module) -> tuple[str, float, float]:
+    """Names the module's gate for the fused JAX program: ``(gate, alpha, limit)``.
+
+    Raises NotImplementedError for a gate or activation the program cannot
+    express, rather than computing something else.
+    """
+    apply_gate = type(module)._apply_gate
+    if type(module).__name__ == "GptOssExperts" or apply_gate.__qualname__ == "GptOssExperts._apply_gate":
+        return "gpt_oss", float(module.alpha), float(module.limit)
+    act = getattr(module, "act_fn", None)
+    act_name = type(act).__name__
+    if isinstance(act, torch.nn.GELU):
+        act_name = "GELUTanh" if act.approximate == "tanh" else "GELUActivation"
+    if act_name not in _ACTIVATION_NAMES:
+        raise NotImplementedError(
+            f"experts_forward (fused TPU program): activation {act_name} of "
+            f"{type(module).__name__} is not supported; supported: {sorted(_ACTIVATION_NAMES)}"
+        )
+    if not getattr(module, "has_gate", True):
+        return _ACTIVATION_NAMES[act_name], 0.0, 0.0
+    if apply_gate.__qualname__ != "_default_apply_gate":
+        raise NotImplementedError(
+            f"experts_forward (fused TPU program): {type(module).__name__} overrides "
+            f"_apply_gate ({apply_gate.__qualname__}), which has no fused equivalent"
+        )
+    return "glu_" + _ACTIVATION_NAMES[act_name], 0.0, 0.0
 
 
 def route(top_k_index: torch.Tensor, num_experts: int):
@@ -41,7 +76,54 @@ def _projection(x, weight, bias, sorted_ids, group_sizes, layout, num_experts):
     return out
 
 
+def _fused_args(self):
+    if getattr(self, "has_post_expert_norm", False):
+        raise NotImplementedError(
+            f"experts_forward (fused TPU program): post-expert norm of {type(self).__name__}"
+        )
+    gate, alpha, limit = gate_of_module(self)
+    has_gate, has_bias = getattr(self, "has_gate", True), getattr(self, "has_bias", False)
+    up = self.gate_up_proj if has_gate else self.up_proj
+    up_bias = (self.gate_up_proj_bias if has_gate else self.up_proj_bias) if has_bias else None
+    down_bias = self.down_proj_bias if has_bias else None
+    layout = "kn" if getattr(self, "is_transposed", False) else "nk"
+    return up, self.down_proj, up_bias, down_bias, gate, alpha, limit, layout
+
+
+def fused_experts_forward_interpret(self, hidden_states, top_k_index, top_k_weights):
+    """The fused JAX program of the TPU path, run on CPU in interpret mode (tests)."""
+    up, down, up_bias, down_bias, gate, alpha, limit, layout = _fused_args(self)
+    from . import experts_jax
+
+    def j(t):
+        return None if t is None else jax_bridge.to_jax(t)
+
+    out = experts_jax.experts_forward(
+        j(hidden_states), j(top_k_index), j(top_k_weights.to(hidden_states.dtype)), j(up), j(down),
+        j(up_bias), j(down_bias), gate=gate, alpha=alpha, limit=limit, rhs_layout=layout,
+        interpret=jax_bridge.interpret_params(),
+    )
+    return jax_bridge.to_torch(out)
+
+
+def _wants_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """Transformers experts function. On TPU at inference: one fused jax_op;
+    otherwise (CPU, or training) grouped matmul ops with autograd."""
+    if hidden_states.device.type == "tpu":
+        args = _fused_args(self)
+        if not _wants_grad(hidden_states, top_k_weights, *args[:4]):
+            up, down, up_bias, down_bias, gate, alpha, limit, layout = args
+            op = register_tpu_ops()["experts"]
+            return op(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), up, down,
+                      up_bias, down_bias, gate, alpha, limit, layout)
+    return composed_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def composed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     num_tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[-1]
     num_experts = self.num_experts

@@ -175,7 +175,7 @@ def register_tpu_ops() -> dict[str, object]:
 
     forward, weight_grad = tpu_ops.make_ops()
     _register_autograd(forward, weight_grad)
-    _TPU_OPS.update(ragged_dot=forward, weight_grad=weight_grad)
+    _TPU_OPS.update(ragged_dot=forward, weight_grad=weight_grad, experts=tpu_ops.make_experts_op())
     return _TPU_OPS
 
 

@@ -5,6 +5,8 @@ Non-tensor arguments become static JAX arguments, so each (layout, offset,
 dtype, tiling) combination compiles once and is cached by torch_tpu.
 """
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 import torch
@@ -66,3 +68,29 @@ def make_ops():
         )
 
     return ragged_dot_tpu, ragged_dot_weight_grad_tpu
+
+
+def make_experts_op():
+    """The whole experts forward (inference) as one TPU op."""
+    from . import experts_jax
+
+    @torch.tpu.pallas.jax_op(op_name("experts_forward_tpu"))
+    def experts_forward_tpu(
+        hidden_states: jax.Array,
+        top_k_index: jax.Array,
+        top_k_weights: jax.Array,
+        up_weight: jax.Array,
+        down_weight: jax.Array,
+        up_bias: Optional[jax.Array],
+        down_bias: Optional[jax.Array],
+        gate: str,
+        alpha: float,
+        limit: float,
+        rhs_layout: str,
+    ) -> jax.Array:
+        return experts_jax.experts_forward(
+            hidden_states, top_k_index, top_k_weights, up_weight, down_weight, up_bias, down_bias,
+            gate=gate, alpha=alpha, limit=limit, rhs_layout=rhs_layout,
+        )
+
+    return experts_forward_tpu

@@ -1,0 +1,82 @@
+"""The whole MoE experts forward as one JAX program (the TPU inference path).
+
+routing (sort by expert, rows per expert by counting) -> grouped matmul
+(gate_up or up) -> gate / activation -> grouped matmul (down) -> routing
+weights -> combine. Every shape is static: one compiled program per
+(tokens, top_k, weights) shape, no host sync, decode steps never recompile.
+
+The gate is named, not traced from the module, because a JAX program cannot
+call the module's torch code: ``gate_of_module`` maps the module to a name
+here or raises NotImplementedError, so nothing silently differs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import pallas_gmm
+
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "relu": jax.nn.relu,
+}
+
+
+def apply_gate(h, gate: str, alpha: float, limit: float):
+    """``gate`` is ``"<act>"`` (ungated), ``"glu_<act>"`` (act(gate) * up on
+    the two halves) or ``"gpt_oss"`` (interleaved, clamped SwiGLU)."""
+    h = h.astype(jnp.float32)
+    if gate == "gpt_oss":
+        g, u = h[:, ::2], h[:, 1::2]
+        g = jnp.minimum(g, limit)
+        u = jnp.clip(u, -limit, limit)
+        return (u + 1.0) * (g * jax.nn.sigmoid(g * alpha))
+    if gate.startswith("glu_"):
+        g, u = jnp.split(h, 2, axis=-1)
+        return ACTIVATIONS[gate[4:]](g) * u
+    return ACTIVATIONS[gate](h)
+
+
+def experts_forward(
+    hidden_states,  # [T, H]
+    top_k_index,  # [T, K], ids >= E mark remote experts
+    top_k_weights,  # [T, K]
+    up_weight,  # [E, N1, H] ("nk") or [E, H, N1] ("kn")
+    down_weight,  # [E, H, I] ("nk") or [E, I, H] ("kn")
+    up_bias=None,  # [E, N1]
+    down_bias=None,  # [E, H]
+    *,
+    gate: str = "glu_silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    rhs_layout: str = "nk",
+    interpret=False,
+):
+    num_tokens, hidden = hidden_states.shape
+    top_k = top_k_index.shape[1]
+    num_experts = up_weight.shape[0]
+    ids = top_k_index.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(ids, stable=True)
+    sorted_ids = ids[order]
+    group_sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[jnp.clip(ids, 0, num_experts)].add(1)
+    group_sizes = group_sizes[:num_experts]
+    remote = (sorted_ids >= num_experts)[:, None]
+    safe_ids = jnp.minimum(sorted_ids, num_experts - 1)
+
+    x = hidden_states[order // top_k].astype(up_weight.dtype)
+    h = pallas_gmm.gmm(x, up_weight, group_sizes, rhs_layout=rhs_layout,
+                       out_dtype=jnp.float32, interpret=interpret)
+    if up_bias is not None:
+        h = h + up_bias[safe_ids].astype(jnp.float32)
+    act = apply_gate(h, gate, alpha, limit).astype(down_weight.dtype)
+    out = pallas_gmm.gmm(act, down_weight, group_sizes, rhs_layout=rhs_layout,
+                         out_dtype=jnp.float32, interpret=interpret)
+    if down_bias is not None:
+        out = out + down_bias[safe_ids].astype(jnp.float32)
+    weights = top_k_weights.reshape(-1)[order].astype(jnp.float32)[:, None]
+    out = jnp.where(remote, 0.0, out * weights)
+    combined = jnp.zeros((num_tokens * top_k, hidden), jnp.float32).at[order].set(out)
+    return combined.reshape(num_tokens, top_k, hidden).sum(axis=1).astype(hidden_states.dtype)
