@@ -62,3 +62,48 @@ def test_f32_and_unaligned_shapes_compile(generation):
     aot.compile_gmm(generation, 100, 300, 260, 5, dtype=jnp.float32, rhs_layout="kn",
                     tiling=tiling.Tiling(16, 128, 128))
     aot.compile_tgmm(generation, 100, 300, 260, 5, dtype=jnp.float32, tiling=tiling.Tiling(16, 128, 128))
+
+
+def _experts_specs(spec, tokens, model=QWEN, dtype=jnp.bfloat16):
+    e, h, i, k = model["experts"], model["hidden"], model["inter"], model["top_k"]
+    return (spec((tokens, h), dtype), spec((tokens, k), jnp.int32), spec((tokens, k), dtype),
+            spec((e, 2 * i, h), dtype), spec((e, h, i), dtype))
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 512])
+def test_fused_experts_program_compiles_for_v6e(tokens):
+    import jax
+
+    from ragged_dot_tpu import experts_jax
+
+    spec = aot._spec(aot.tpu_device("v6e"))
+    fn = jax.jit(lambda *a: experts_jax.experts_forward(*a, gate="glu_silu"))
+    compiled = fn.lower(*_experts_specs(spec, tokens)).compile()
+    assert compiled.memory_analysis() is not None
+
+
+def test_fused_experts_program_traces_once_per_shape():
+    """Routing has static shapes: new routing values reuse the program, decode never recompiles."""
+    import jax
+    import numpy as np
+
+    from ragged_dot_tpu import experts_jax, jax_bridge
+
+    traces = []
+
+    def program(*args):
+        traces.append(args[0].shape)
+        return experts_jax.experts_forward(*args, gate="glu_silu", interpret=jax_bridge.interpret_params())
+
+    fn = jax.jit(program)
+    rng = np.random.default_rng(0)
+    e, h, i = 4, 16, 8
+    weights = (jnp.asarray(rng.standard_normal((e, 2 * i, h)), jnp.float32),
+               jnp.asarray(rng.standard_normal((e, h, i)), jnp.float32))
+    for tokens, seed in ((3, 1), (3, 2), (3, 3), (5, 4)):
+        r = np.random.default_rng(seed)
+        x = jnp.asarray(r.standard_normal((tokens, h)), jnp.float32)
+        idx = jnp.asarray(r.integers(0, e + 1, (tokens, 2)), jnp.int32)  # e = remote sentinel
+        w = jnp.asarray(r.random((tokens, 2)), jnp.float32)
+        fn(x, idx, w, *weights).block_until_ready()
+    assert traces == [(3, h), (5, h)]

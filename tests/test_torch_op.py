@@ -183,6 +183,12 @@ def test_tpu_ops_register_with_jax_op_and_infer_shapes():
             out = fwd(lhs, rhs, sizes, "nk", 0, torch.float32, 0, 0, 0)
             dw = wgrad(lhs, torch.empty(512, 1536, dtype=torch.bfloat16), sizes, 128, "nk", 0,
                        torch.bfloat16, 0, 0, 0)
+            hidden = torch.empty(4, 64, dtype=torch.bfloat16)
+            experts_out = tpu_ops["experts"](
+                hidden, torch.empty(4, 2, dtype=torch.int64), torch.empty(4, 2, dtype=torch.bfloat16),
+                torch.empty(8, 64, 64, dtype=torch.bfloat16), torch.empty(8, 64, 32, dtype=torch.bfloat16),
+                None, None, "glu_silu", 0.0, 0.0, "nk")
+        print("experts", tuple(experts_out.shape), experts_out.dtype)
         print("fwd", tuple(out.shape), out.dtype)
         print("wgrad", tuple(dw.shape), dw.dtype)
         print("name", fwd._qualname)
@@ -191,6 +197,7 @@ def test_tpu_ops_register_with_jax_op_and_infer_shapes():
         pytest.skip("torch_tpu aborted on this CPU host (DESIGN.md section 8)")
     assert "fwd (512, 1536) torch.float32" in result.stdout, result.stderr[-3000:]
     assert "wgrad (128, 1536, 2048) torch.bfloat16" in result.stdout
+    assert "experts (4, 64) torch.bfloat16" in result.stdout
     assert "_ragged_dot_tpu_dev::ragged_dot_tpu" in result.stdout
 
 
