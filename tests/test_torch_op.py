@@ -45,11 +45,12 @@ def test_matches_reference(impl, layout, dtype):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_out_dtype_and_group_window(impl):
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_out_dtype_and_group_window(impl, out_dtype):
     lhs, rhs, sizes = _case("nk", torch.bfloat16)
     window = rhs[1:4]
-    out = ragged_dot_tpu.ragged_dot(lhs, window, sizes, group_offset=1, out_dtype=torch.float32, impl=impl)
-    assert out.dtype == torch.float32
+    out = ragged_dot_tpu.ragged_dot(lhs, window, sizes, group_offset=1, out_dtype=out_dtype, impl=impl)
+    assert out.dtype == out_dtype
     want = reference.ragged_dot(_np(lhs), _np(window), sizes.numpy(), "nk", group_offset=1)
     np.testing.assert_allclose(_np(out), want, rtol=1e-2, atol=5e-2)
     assert (out[:6] == 0).all()
