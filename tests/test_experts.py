@@ -191,3 +191,24 @@ def test_fused_program_refuses_what_it_cannot_express():
     custom.__dict__.update(_model("qwen3_moe", "eager").model.layers[0].mlp.experts.__dict__)
     with pytest.raises(NotImplementedError, match="overrides _apply_gate"):
         ragged_dot_tpu.experts.gate_of_module(custom)
+
+
+@pytest.mark.parametrize("case", ["one_expert_only", "single_token", "zero_tokens"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
+def test_routing_edge_cases_match_module_eager(case, kind):
+    model = _model(kind, "eager")
+    experts = next(m for m in model.modules() if hasattr(m, "has_gate"))
+    gen = torch.Generator().manual_seed(9)
+    tokens = {"one_expert_only": 6, "single_token": 1, "zero_tokens": 0}[case]
+    hidden = torch.randn(tokens, 64, generator=gen)
+    if case == "one_expert_only":
+        index = torch.tensor([[2, 3]] * tokens)  # every token to the same two experts
+    else:
+        index = torch.stack([torch.randperm(experts.num_experts, generator=gen)[:2] for _ in range(tokens)]) \
+            if tokens else torch.zeros(0, 2, dtype=torch.int64)
+    weights = torch.rand(tokens, 2, generator=gen)
+    with torch.no_grad():
+        want = type(experts).forward.__wrapped__(experts, hidden, index, weights)
+        got = ragged_dot_tpu.experts_forward(experts, hidden, index, weights)
+    assert got.shape == (tokens, 64)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
