@@ -15,11 +15,8 @@ Usage: python bench/bench_experts.py [--tokens 1 16 64 256 512] [--out bench/res
 
 from __future__ import annotations
 
-import argparse
 import pathlib
-import statistics
 import sys
-import time
 
 import torch
 from transformers import AutoConfig
@@ -30,7 +27,7 @@ sys.path.insert(0, str(ROOT / "kernels" / "ragged-dot" / "torch-ext"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import ragged_dot_tpu  # noqa: E402
-from bench_ragged_dot import markdown  # noqa: E402
+from common import parse_args, time_median, write_report  # noqa: E402
 from ragged_dot_tpu import tiling  # noqa: E402
 
 MODELS = {
@@ -57,16 +54,6 @@ def _experts(name):
     return module.to(torch.bfloat16).eval(), config
 
 
-def _time(fn, repeats):
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def cpu_rows(tokens_list, repeats):
     rows = []
     gen = torch.Generator().manual_seed(0)
@@ -85,13 +72,13 @@ def cpu_rows(tokens_list, repeats):
             index = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)])
             weights = torch.rand(tokens, top_k, generator=gen).bfloat16()
             with torch.no_grad():
-                ours = _time(lambda: ragged_dot_tpu.experts_forward(module, hidden, index, weights), repeats)
+                ours = time_median(lambda: ragged_dot_tpu.experts_forward(module, hidden, index, weights), repeats)
                 row = {"model": name, "tokens": tokens, "ours_ms": ours * 1e3}
                 for peer, fn in impls.items():
                     if peer == "batched_mm" and tokens * top_k * weight_bytes > BATCHED_MM_BYTES:
                         row[peer] = "skipped (memory)"
                         continue
-                    row[peer] = _time(lambda: fn(hidden, index, weights), repeats) / ours
+                    row[peer] = time_median(lambda: fn(hidden, index, weights), repeats) / ours
             rows.append(row)
             print(row, flush=True)
     return rows
@@ -129,26 +116,15 @@ def tpu_decode_bytes(tokens_list):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 512])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    args = parser.parse_args()
+    args = parse_args([1, 16, 64, 256, 512], 3)
     cpu = cpu_rows(args.tokens, args.repeats)
     tpu = tpu_decode_bytes([1, 8, 64])
-    text = (
-        "# MoE experts layer benchmark\n\n"
+    write_report(
+        args.out, "experts.md", "MoE experts layer benchmark",
         f"One experts layer, bf16, {torch.get_num_threads()} CPU threads, median of runs, no grad. "
-        "Columns after `ours_ms` are peer time / our time (>1: ours faster).\n\n"
-        + markdown(cpu)
-        + "\n\n## TPU v6e on paper: HBM bytes per experts forward vs the minimum\n\n"
-        + markdown(tpu)
-        + "\n"
+        "Columns after `ours_ms` are peer time / our time (>1: ours faster).",
+        [(None, cpu), ("TPU v6e on paper: HBM bytes per experts forward vs the minimum", tpu)],
     )
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "experts.md").write_text(text)
-    print(text)
 
 
 if __name__ == "__main__":

@@ -17,18 +17,18 @@ Usage: python bench/bench_ragged_dot.py [--tokens 1 64 512] [--out bench/results
 
 from __future__ import annotations
 
-import argparse
 import pathlib
-import statistics
 import sys
-import time
 
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "kernels" / "ragged-dot" / "torch-ext"))
 
+sys.path.insert(0, str(ROOT / "bench"))
+
 import ragged_dot_tpu  # noqa: E402
+from common import parse_args, time_median, write_report  # noqa: E402
 from ragged_dot_tpu import aot  # noqa: E402
 
 SHAPES = {  # (hidden, intermediate, experts, top_k)
@@ -36,16 +36,6 @@ SHAPES = {  # (hidden, intermediate, experts, top_k)
     "gpt-oss-20b": (2880, 2880, 32, 4),
 }
 XLA_ROW_BUDGET = 64  # XLA-on-CPU ragged_dot multiplies every group by every row: seconds per call
-
-
-def _time(fn, repeats: int) -> float:
-    fn()  # warm-up (and compile)
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def _routing(tokens, experts, top_k, gen):
@@ -89,10 +79,10 @@ def cpu_table(tokens_list, repeats):
         for tokens in tokens_list:
             sizes = _routing(tokens, experts, top_k, gen)
             lhs = torch.randn(tokens * top_k, hidden, generator=gen).bfloat16()
-            ours = _time(lambda: ragged_dot_tpu.ragged_dot(lhs, rhs, sizes), repeats)
+            ours = time_median(lambda: ragged_dot_tpu.ragged_dot(lhs, rhs, sizes), repeats)
             row = {"model": model, "tokens": tokens, "ours_ms": ours * 1e3}
             for name, fn in _peers(lhs, rhs, sizes).items():
-                row[name] = _time(fn, repeats) / ours
+                row[name] = time_median(fn, repeats) / ours
             rows.append(row)
             print(row, flush=True)
     return rows
@@ -110,37 +100,16 @@ def tpu_table(tokens_list):
     return rows
 
 
-def markdown(rows, float_fmt="{:.2f}"):
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    for r in rows:
-        cells = [float_fmt.format(r[k]) if isinstance(r.get(k), float) else str(r.get(k, "-")) for k in keys]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 512])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    args = parse_args([1, 64, 512], 5)
     cpu = cpu_table(args.tokens, args.repeats)
     tpu = tpu_table([1, 64, 4096])
-    text = (
-        "# ragged_dot benchmark\n\n"
+    write_report(
+        args.out, "ragged_dot.md", "ragged_dot benchmark",
         f"gate_up projection (`[T*top_k, H] x [E, 2I, H]`), bf16, {torch.get_num_threads()} CPU threads, "
-        "median of runs. Columns after `ours_ms` are peer time / our time (>1: ours faster).\n\n"
-        + markdown(cpu)
-        + "\n\n## TPU: tiling chosen and VMEM working set (AOT compile, no TPU attached)\n\n"
-        + markdown(tpu)
-        + "\n"
+        "median of runs. Columns after `ours_ms` are peer time / our time (>1: ours faster).",
+        [(None, cpu), ("TPU: tiling chosen and VMEM working set (AOT compile, no TPU attached)", tpu)],
     )
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "ragged_dot.md").write_text(text)
-    print(text)
 
 
 if __name__ == "__main__":

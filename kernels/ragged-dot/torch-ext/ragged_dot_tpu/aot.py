@@ -53,14 +53,17 @@ def _report(compiled, generation, kernel, shape, t, itemsize):
     )
 
 
+def _rule_tiling(generation, m, k, n, num_groups, dtype):
+    size = dtype.itemsize
+    return tiling_lib.choose_tiling(m, k, n, num_groups, lhs_itemsize=size, rhs_itemsize=size,
+                                    out_itemsize=size, generation=generation)
+
+
 def compile_gmm(generation, m, k, n, num_groups, *, rhs_layout="nk", dtype=jnp.bfloat16,
                 tiling=None) -> CompileReport:
     spec = _spec(tpu_device(generation))
     dtype = jnp.dtype(dtype)
-    t = tiling or tiling_lib.choose_tiling(
-        m, k, n, num_groups, lhs_itemsize=dtype.itemsize, rhs_itemsize=dtype.itemsize,
-        out_itemsize=dtype.itemsize, generation=generation,
-    )
+    t = tiling or _rule_tiling(generation, m, k, n, num_groups, dtype)
     rhs_shape = (num_groups, n, k) if rhs_layout == "nk" else (num_groups, k, n)
     fn = jax.jit(lambda x, w, s: pallas_gmm.gmm(
         x, w, s, rhs_layout=rhs_layout, tiling=t, generation=generation))
@@ -73,10 +76,7 @@ def compile_tgmm(generation, m, k, n, num_groups, *, rhs_layout="nk", dtype=jnp.
                  tiling=None) -> CompileReport:
     spec = _spec(tpu_device(generation))
     dtype = jnp.dtype(dtype)
-    t = tiling or tiling_lib.choose_tiling(
-        m, k, n, num_groups, lhs_itemsize=dtype.itemsize, rhs_itemsize=dtype.itemsize,
-        out_itemsize=dtype.itemsize, generation=generation,
-    )
+    t = tiling or _rule_tiling(generation, m, k, n, num_groups, dtype)
     fn = jax.jit(lambda x, dy, s: pallas_gmm.tgmm(
         x, dy, s, num_local_groups=num_groups, rhs_layout=rhs_layout, tiling=t,
         generation=generation))
