@@ -16,11 +16,18 @@ imports), a generated _ops.py with a per-build op namespace, and
 metadata.json in the format the `kernels` library (0.17.2) reads and
 verifies. Output is reproducible: same sources and git state, same bytes.
 
+Shared sources (a manifest's `extra-sources`) are copied into the package at
+build time. Every `_ops.py` of a build, the package's own and any copied one
+at any depth, gets that build's NAMESPACE, so code shared by two Hub kernels
+registers its torch ops under each kernel's own namespace and both kernels
+load into one process.
+
 `install-cache` lays a built tree out in a Hugging Face cache the way a Hub
 download does, so `HF_HUB_OFFLINE=1 get_kernel(repo_id, version=N)` loads it.
 `push` uploads it (card to `main`, builds to branch `v<N>`). `all` is the main
 job: build, install into a temporary cache, and load every kernel the three
-ways `kernels` offers, each in its own process, with a smoke check.
+ways `kernels` offers, each in its own process, with a smoke check; then all
+kernels together in one process (their torch ops must not collide).
 
 Imports: the standard library, plus huggingface_hub lazily for `push`.
 """
@@ -360,18 +367,23 @@ def content_hash(m: Manifest, sources: dict[str, bytes]) -> str:
     return h.hexdigest()
 
 
-def render_ops(template: bytes | None, namespace: str) -> bytes:
-    """The source _ops.py (or a default) with NAMESPACE set to this build's namespace."""
+def render_ops(template: bytes | None, namespace: str, rel: str = "_ops.py") -> bytes:
+    """The source _ops.py `rel` (or a default) with NAMESPACE set to this build's namespace."""
     text = template.decode("utf-8") if template is not None else DEFAULT_OPS
     pattern = re.compile(r"^NAMESPACE\s*=.*$", re.MULTILINE)
     if len(pattern.findall(text)) != 1:
-        raise BuildError("_ops.py must assign NAMESPACE exactly once at top level")
+        raise BuildError(f"{rel} must assign NAMESPACE exactly once at top level")
     text = pattern.sub(
         lambda _: f'NAMESPACE = "{namespace}"  # set by {BUILDER_PATH} from the source content hash', text
     )
     if "def op_name(" not in text:
-        raise BuildError("_ops.py must define op_name()")
+        raise BuildError(f"{rel} must define op_name()")
     return text.encode("utf-8")
+
+
+def is_ops_file(rel: str) -> bool:
+    """An op-namespace module: `_ops.py` at the package root or in any subpackage."""
+    return rel.rsplit("/", 1)[-1] == "_ops.py"
 
 
 # --------------------------------------------------------------------------
@@ -539,7 +551,10 @@ def plan_repo(m: Manifest) -> tuple[dict[str, bytes], str, dict[str, str]]:
     short = full_hash[:SHORT_HASH_LEN]
     namespace = f"_{m.package}_{short}"
     package_files = dict(sources)
-    package_files["_ops.py"] = render_ops(sources.get("_ops.py"), namespace)
+    # One namespace per build, also for shared sources copied into a subpackage
+    # (their `from ._ops import op_name` finds the copy rendered here).
+    for rel in sorted({"_ops.py", *filter(is_ops_file, sources)}):
+        package_files[rel] = render_ops(sources.get(rel), namespace, rel)
     package_files = dict(sorted(package_files.items()))
     prov = provenance(m, full_hash)
 
@@ -798,20 +813,25 @@ def script_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def smoke_command(
-    method: str, tree: Path, repo_id: str, version: int, entry: str, cache: Path
-) -> tuple[list[str], dict[str, str]]:
-    """Command and environment of one smoke run (offline, isolated cache, no bytecode)."""
-    env = script_env(
+def smoke_env(cache: Path, local_kernels: str | None = None) -> dict[str, str]:
+    """Environment of a smoke run: offline, isolated cache, no bytecode."""
+    return script_env(
         {
             "HF_HUB_OFFLINE": "1",
             "HF_HUB_CACHE": str(cache),
             "HF_HUB_DISABLE_TELEMETRY": "1",
             "PYTHONDONTWRITEBYTECODE": "1",
             "KERNELS_CACHE": None,
-            "LOCAL_KERNELS": f"{repo_id}={tree.resolve()}" if method == "LOCAL_KERNELS" else None,
+            "LOCAL_KERNELS": local_kernels,
         }
     )
+
+
+def smoke_command(
+    method: str, tree: Path, repo_id: str, version: int, entry: str, cache: Path
+) -> tuple[list[str], dict[str, str]]:
+    """Command and environment of one smoke run."""
+    env = smoke_env(cache, f"{repo_id}={tree.resolve()}" if method == "LOCAL_KERNELS" else None)
     cmd = [
         sys.executable,
         str(SMOKE_SCRIPT),
@@ -827,6 +847,15 @@ def smoke_command(
         entry,
     ]
     return cmd, env
+
+
+def one_process_command(kernels: list[tuple[str, int, str]], cache: Path) -> tuple[list[str], dict[str, str]]:
+    """Command and environment of the smoke run that loads every (repo id, version,
+    entry) from the cache into one process, as a user combining kernels would."""
+    cmd = [sys.executable, str(SMOKE_SCRIPT), "--method", "one-process"]
+    for repo_id, version, entry in kernels:
+        cmd += ["--kernel", f"{repo_id}:{version}:{entry}"]
+    return cmd, smoke_env(cache)
 
 
 def run_smokes(jobs: list[tuple[str, list[str], dict[str, str]]], parallel: int) -> list[dict]:
@@ -876,6 +905,12 @@ def run_all(out: Path, org: str | None, names: list[str] | None, parallel: int, 
                 cmd, env = smoke_command(method, b.root, m.repo_id, m.version, m.smoke_entry, cache)
                 jobs.append((f"{m.name}/{method}", cmd, env))
                 rows.append((m.name, method))
+        # Every kernel in one process: each build's ops under its own namespace.
+        together = [b.manifest for b in built if b.manifest.smoke_entry]
+        if len(together) > 1:
+            cmd, env = one_process_command([(m.repo_id, m.version, m.smoke_entry) for m in together], cache)
+            jobs.append(("one-process", cmd, env))
+            rows.append((" + ".join(m.name for m in together), "hub-cache, one process"))
         results = run_smokes(jobs, parallel)
     finally:
         if keep_cache:

@@ -6,7 +6,12 @@ environment of scripts/env.sh, HF_HUB_OFFLINE=1 and HF_HUB_CACHE pointing at
 the cache `hub.py install-cache` filled:
 
     python build/smoke.py --method get_local_kernel|LOCAL_KERNELS|hub-cache \
-        --path DIST/<name> --repo-id ORG/NAME --version N --entry ragged_dot
+        --path DIST/<name> --repo-id ORG/NAME --version N --entry ragged_dot|moe_experts
+
+or, to load several kernels from the cache into one process (their torch ops
+must not collide) and smoke each there:
+
+    python build/smoke.py --method one-process --kernel ORG/NAME:N:ENTRY --kernel ...
 
 Prints one line `SMOKE-RESULT {json}` (ok, max_err, variant, ...) and exits 0
 only if the kernel loaded from where it should and matched the reference.
@@ -75,10 +80,93 @@ def smoke_ragged_dot(kernel) -> dict:
     return {"ok": not problems, "max_err": max_err, "detail": problems, "cases": len(impls) * len(layouts)}
 
 
-SMOKES = {"ragged_dot": smoke_ragged_dot}
+def _op_calls(prefix: str):
+    """A dispatch mode recording the torch ops whose name starts with prefix."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpCalls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.name().startswith(prefix):
+                self.names.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    return OpCalls()
 
 
-def load(method: str, path: Path, repo_id: str, version: int):
+# A tiny Qwen3-MoE: one decoder layer, 8 experts, 2 per token.
+TINY_QWEN3_MOE = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, vocab_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+    decoder_sparse_step=1, mlp_only_layers=[],
+)
+
+
+def smoke_moe_experts(kernel) -> dict:
+    """experts_forward on the experts module of a tiny random float32 Qwen3-MoE
+    against the module's eager forward (and, if offered, the fused TPU program
+    in interpret mode); then register() and the whole model's logits with the
+    registered implementation against eager ones."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen3_moe", **TINY_QWEN3_MOE)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, experts_implementation="eager").eval()
+    with torch.no_grad():  # larger than the default init (norms kept at one), so every term counts
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0, 0.1)
+    experts = model.model.layers[0].mlp.experts
+
+    gen = torch.Generator().manual_seed(1)
+    tokens = 12
+    hidden = torch.randn(tokens, config.hidden_size, generator=gen)
+    top_k_index = torch.randn(tokens, config.num_experts, generator=gen).topk(config.num_experts_per_tok).indices
+    top_k_weights = torch.randn(tokens, config.num_experts_per_tok, generator=gen).softmax(-1)
+
+    fns = {"experts_forward": kernel.experts_forward}
+    if hasattr(kernel, "fused_experts_forward_interpret"):
+        fns["fused interpret"] = kernel.fused_experts_forward_interpret
+    max_err, problems = 0.0, []
+
+    def compare(label, got, want):
+        nonlocal max_err
+        if got.shape != want.shape or got.dtype != want.dtype:
+            problems.append(f"{label}: {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {want.dtype}")
+            return
+        err = float((got.double() - want.double()).abs().max())
+        max_err = max(max_err, err)
+        tol = 1e-5 * max(1.0, float(want.abs().max()))
+        if not err <= tol:
+            problems.append(f"{label}: max abs error {err:.3g} > {tol:.3g}")
+
+    with torch.no_grad():
+        want = experts(hidden, top_k_index, top_k_weights)  # the module's eager forward
+        for label, fn in fns.items():
+            compare(label, fn(experts, hidden, top_k_index, top_k_weights), want)
+
+        ids = torch.randint(0, config.vocab_size, (2, 7), generator=gen)
+        want_logits = model(ids).logits
+        name = kernel.register("moe_experts_tpu_smoke")
+        if name != "moe_experts_tpu_smoke":
+            problems.append(f"register returned {name!r}")
+        model.set_experts_implementation(name)
+        with _op_calls(kernel.NAMESPACE + "::") as calls:
+            got_logits = model(ids).logits
+        if not calls.names:
+            problems.append(f"the model with experts_implementation={name!r} ran no op of {kernel.NAMESPACE}")
+        compare(f"model logits ({name})", got_logits, want_logits)
+    return {"ok": not problems, "max_err": max_err, "detail": problems, "cases": len(fns) + 1}
+
+
+SMOKES = {"ragged_dot": smoke_ragged_dot, "moe_experts": smoke_moe_experts}
+
+
+def load(method: str, path: Path | None, repo_id: str, version: int):
     import kernels
     from huggingface_hub import constants
 
@@ -96,33 +184,81 @@ def load(method: str, path: Path, repo_id: str, version: int):
     raise ValueError(f"unknown method {method!r}")
 
 
+def _checked_module(module, method: str, path: Path | None) -> dict:
+    """Where the module came from and under which id and op namespace; raises if wrong."""
+    variant_dir = Path(module.__file__).parent
+    # Where it must have come from: the tree for the local methods, the cache otherwise.
+    if method in ("hub-cache", "one-process"):
+        from huggingface_hub import constants
+
+        expected_root = Path(constants.HF_HUB_CACHE).resolve()
+    else:
+        expected_root = path.resolve()
+    if not variant_dir.resolve().is_relative_to(expected_root):
+        raise RuntimeError(f"loaded {variant_dir}, expected something under {expected_root}")
+    metadata = json.loads((variant_dir / "metadata.json").read_text())
+    if module.__name__ != metadata["id"] or sys.modules.get(metadata["id"]) is not module:
+        raise RuntimeError(f"module {module.__name__} is not registered as its id {metadata['id']}")
+    ops = sys.modules.get(metadata["id"] + "._ops")
+    return {"variant": variant_dir.name, "module": module.__name__, "namespace": getattr(ops, "NAMESPACE", None)}
+
+
+def run_one_process(kernel_specs: list[str]) -> dict:
+    """Load several kernels from the cache into this one process and smoke each:
+    their torch ops must be registered under distinct namespaces."""
+    import torch
+
+    specs = []
+    for spec in kernel_specs:
+        repo_id, version, entry = spec.rsplit(":", 2)
+        if entry not in SMOKES:
+            raise ValueError(f"--kernel {spec}: unknown entry {entry!r} (known: {sorted(SMOKES)})")
+        specs.append((repo_id, int(version), entry))
+    loaded = [(repo_id, entry, load("hub-cache", None, repo_id, version)) for repo_id, version, entry in specs]
+    infos = {repo_id: _checked_module(module, "one-process", None) for repo_id, _, module in loaded}
+    names = [info["namespace"] for info in infos.values()]
+    problems = []
+    if len(set(names)) != len(names) or None in names:
+        problems.append(f"op namespaces not distinct: {names}")
+    all_ops = torch._C._dispatch_get_all_op_names()
+    for repo_id, info in infos.items():
+        if not any(op.startswith(f"{info['namespace']}::") for op in all_ops):
+            problems.append(f"{repo_id}: no op registered under {info['namespace']}")
+    max_err, cases = 0.0, 0
+    for repo_id, entry, module in loaded:  # each smoke after all are loaded
+        r = SMOKES[entry](module)
+        max_err, cases = max(max_err, r["max_err"]), cases + r.get("cases", 0)
+        problems += [f"{repo_id}: {d}" for d in r["detail"]] + ([] if r["ok"] else [f"{repo_id}: failed"])
+    variants = sorted({info["variant"] for info in infos.values()})
+    return {
+        "ok": not problems, "max_err": max_err, "cases": cases, "detail": problems,
+        "variant": ",".join(variants), "namespaces": names,
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--method", required=True, choices=["get_local_kernel", "LOCAL_KERNELS", "hub-cache"])
-    p.add_argument("--path", type=Path, required=True, help="the built repo tree")
-    p.add_argument("--repo-id", required=True)
-    p.add_argument("--version", type=int, required=True)
-    p.add_argument("--entry", required=True, choices=sorted(SMOKES))
+    p.add_argument("--method", required=True, choices=["get_local_kernel", "LOCAL_KERNELS", "hub-cache", "one-process"])
+    p.add_argument("--path", type=Path, help="the built repo tree")
+    p.add_argument("--repo-id")
+    p.add_argument("--version", type=int)
+    p.add_argument("--entry", choices=sorted(SMOKES))
+    p.add_argument("--kernel", action="append", default=[], metavar="REPO_ID:VERSION:ENTRY",
+                   help="one-process: a kernel to load from the cache (repeat, at least two)")
     args = p.parse_args()
+    if args.method == "one-process":
+        if len(args.kernel) < 2:
+            p.error("--method one-process needs at least two --kernel")
+    elif None in (args.path, args.repo_id, args.version, args.entry):
+        p.error(f"--method {args.method} needs --path, --repo-id, --version and --entry")
     result: dict = {"method": args.method, "ok": False}
     try:
-        module = load(args.method, args.path.resolve(), args.repo_id, args.version)
-        variant_dir = Path(module.__file__).parent
-        result["variant"] = variant_dir.name
-        result["module"] = module.__name__
-        # Where it must have come from: the tree for the local methods, the cache otherwise.
-        if args.method == "hub-cache":
-            from huggingface_hub import constants
-
-            expected_root = Path(constants.HF_HUB_CACHE).resolve()
+        if args.method == "one-process":
+            result.update(run_one_process(args.kernel))
         else:
-            expected_root = args.path.resolve()
-        if not variant_dir.resolve().is_relative_to(expected_root):
-            raise RuntimeError(f"loaded {variant_dir}, expected something under {expected_root}")
-        metadata = json.loads((variant_dir / "metadata.json").read_text())
-        if module.__name__ != metadata["id"] or sys.modules.get(metadata["id"]) is not module:
-            raise RuntimeError(f"module {module.__name__} is not registered as its id {metadata['id']}")
-        result.update(SMOKES[args.entry](module))
+            module = load(args.method, args.path.resolve(), args.repo_id, args.version)
+            result.update(_checked_module(module, args.method, args.path))
+            result.update(SMOKES[args.entry](module))
     except Exception as e:  # report, do not crash: the parent prints the table
         result["error"] = f"{type(e).__name__}: {e}"
         traceback.print_exc()
