@@ -15,3 +15,4 @@ test: bootstrap
 
 bench: bootstrap
 	$(ENV) $(PY) bench/bench_ragged_dot.py
+	$(ENV) $(PY) bench/bench_experts.py
