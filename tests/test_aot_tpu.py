@@ -70,16 +70,32 @@ def _experts_specs(spec, tokens, model=QWEN, dtype=jnp.bfloat16):
             spec((e, 2 * i, h), dtype), spec((e, h, i), dtype))
 
 
+@pytest.mark.parametrize("fused_kernel", [True, False], ids=["fused-kernel", "two-matmuls"])
 @pytest.mark.parametrize("tokens", [1, 64, 512])
-def test_fused_experts_program_compiles_for_v6e(tokens):
+def test_experts_program_compiles_for_v6e(tokens, fused_kernel):
     import jax
 
     from ragged_dot_tpu import experts_jax
 
     spec = aot._spec(aot.tpu_device("v6e"))
-    fn = jax.jit(lambda *a: experts_jax.experts_forward(*a, gate="glu_silu"))
-    compiled = fn.lower(*_experts_specs(spec, tokens)).compile()
+    specs = _experts_specs(spec, tokens)
+    rule = experts_jax.use_fused_kernel(tokens * QWEN["top_k"], specs[3], specs[4], None, None,
+                                        "glu_silu", "nk", "v6e")
+    assert rule  # Qwen3-30B-A3B experts fit whole in v6e VMEM: the rule picks the fused kernel
+    fn = jax.jit(lambda *a: experts_jax.experts_forward(
+        *a, gate="glu_silu", fused=fused_kernel, generation="v6e"))
+    compiled = fn.lower(*specs).compile()
     assert compiled.memory_analysis() is not None
+
+
+def test_fused_kernel_rule_refuses_gpt_oss_experts():
+    from ragged_dot_tpu import experts_jax
+
+    spec = aot._spec(aot.tpu_device("v6e"))
+    e, h, i = GPT_OSS["experts"], GPT_OSS["hidden"], GPT_OSS["inter"]
+    up, down = spec((e, 2 * i, h), jnp.bfloat16), spec((e, h, i), jnp.bfloat16)
+    assert not experts_jax.use_fused_kernel(256, up, down, None, None, "glu_silu", "nk", "v6e")  # 33 MB/expert
+    assert not experts_jax.use_fused_kernel(256, up, down, None, None, "gpt_oss", "nk", "v6e")
 
 
 def test_fused_experts_program_traces_once_per_shape():

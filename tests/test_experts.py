@@ -1,5 +1,6 @@
 """experts_forward inside real (tiny, random) Transformers MoE models."""
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -212,3 +213,26 @@ def test_routing_edge_cases_match_module_eager(case, kind):
         got = ragged_dot_tpu.experts_forward(experts, hidden, index, weights)
     assert got.shape == (tokens, 64)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fused_kernel", [True, False])
+def test_fused_program_both_matmul_paths_match_eager(fused_kernel):
+    """The fused experts kernel and the two-matmul path of the JAX program, interpret mode."""
+    import jax.numpy as jnp
+
+    from ragged_dot_tpu import experts_jax, jax_bridge
+
+    experts = _model("qwen3_moe", "eager").model.layers[0].mlp.experts
+    gen = torch.Generator().manual_seed(10)
+    hidden = torch.randn(9, 64, generator=gen)
+    index = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(9)])
+    index[0, 1] = 8  # one remote (expert-parallel) pick
+    weights = torch.rand(9, 2, generator=gen)
+    with torch.no_grad():
+        want = type(experts).forward.__wrapped__(experts, hidden, index.clamp(max=7),
+                                                 torch.where(index == 8, 0.0, weights))
+        got = experts_jax.experts_forward(
+            *(jnp.asarray(t.detach().numpy()) for t in (hidden, index, weights, experts.gate_up_proj,
+                                                        experts.down_proj)),
+            gate="glu_silu", fused=fused_kernel, interpret=jax_bridge.interpret_params())
+    torch.testing.assert_close(torch.from_numpy(np.array(got)), want, rtol=1e-5, atol=1e-5)

@@ -5,6 +5,14 @@ routing (sort by expert, rows per expert by counting) -> grouped matmul
 weights -> combine. Every shape is static: one compiled program per
 (tokens, top_k, weights) shape, no host sync, decode steps never recompile.
 
+Two ways through the matmuls, chosen by ``use_fused_kernel``: the fused
+Pallas kernel (``pallas_fused_experts``: gate_up -> gate -> down per row
+tile, the intermediate never written to HBM, each active expert read once)
+when the gate is a GLU on concatenated "nk" weights without biases and a
+whole expert fits the generation's VMEM budget (Qwen3-30B-A3B, Mixtral-size
+experts of a few MB); otherwise two grouped matmuls with the gate between
+them (gpt-oss: interleaved, biased, 33 MB experts).
+
 The gate is named, not traced from the module, because a JAX program cannot
 call the module's torch code: ``gate_of_module`` maps the module to a name
 here or raises NotImplementedError, so nothing silently differs.
@@ -15,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import pallas_gmm
+from . import pallas_fused_experts, pallas_gmm, tiling
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -53,6 +61,8 @@ def experts_forward(
     alpha: float = 1.702,
     limit: float = 7.0,
     rhs_layout: str = "nk",
+    fused: bool | None = None,
+    generation: str | None = None,
     interpret=False,
 ):
     num_tokens, hidden = hidden_states.shape
@@ -67,6 +77,14 @@ def experts_forward(
     safe_ids = jnp.minimum(sorted_ids, num_experts - 1)
 
     x = hidden_states[order // top_k].astype(up_weight.dtype)
+    if fused is None:
+        fused = use_fused_kernel(x.shape[0], up_weight, down_weight, up_bias, down_bias,
+                                 gate, rhs_layout, generation)
+    if fused:
+        out = pallas_fused_experts.fused_glu_experts(
+            x, up_weight, down_weight, group_sizes, gate=gate, out_dtype=jnp.float32,
+            generation=generation, interpret=interpret)
+        return _combine(out, order, remote, top_k_weights, num_tokens, top_k, hidden, hidden_states.dtype)
     h = pallas_gmm.gmm(x, up_weight, group_sizes, rhs_layout=rhs_layout,
                        out_dtype=jnp.float32, interpret=interpret)
     if up_bias is not None:
@@ -76,7 +94,23 @@ def experts_forward(
                          out_dtype=jnp.float32, interpret=interpret)
     if down_bias is not None:
         out = out + down_bias[safe_ids].astype(jnp.float32)
+    return _combine(out, order, remote, top_k_weights, num_tokens, top_k, hidden, hidden_states.dtype)
+
+
+def use_fused_kernel(m, up_weight, down_weight, up_bias, down_bias, gate, rhs_layout, generation):
+    """The documented rule of the module docstring."""
+    if up_bias is not None or down_bias is not None or up_weight.dtype != down_weight.dtype:
+        return False
+    num_experts, two_inter, hidden = up_weight.shape
+    itemsize = up_weight.dtype.itemsize
+    tm = tiling.choose_tiling(m, hidden, two_inter, num_experts, lhs_itemsize=itemsize,
+                              rhs_itemsize=itemsize, out_itemsize=4, generation=generation).tm
+    return pallas_fused_experts.fits(gate, rhs_layout, tm, hidden, two_inter // 2, itemsize, generation)
+
+
+def _combine(out, order, remote, top_k_weights, num_tokens, top_k, hidden, dtype):
+    """Routing weights, sentinel rows to zero, un-sort, sum over top_k."""
     weights = top_k_weights.reshape(-1)[order].astype(jnp.float32)[:, None]
-    out = jnp.where(remote, 0.0, out * weights)
+    out = jnp.where(remote, 0.0, out.astype(jnp.float32) * weights)
     combined = jnp.zeros((num_tokens * top_k, hidden), jnp.float32).at[order].set(out)
-    return combined.reshape(num_tokens, top_k, hidden).sum(axis=1).astype(hidden_states.dtype)
+    return combined.reshape(num_tokens, top_k, hidden).sum(axis=1).astype(dtype)

@@ -85,6 +85,18 @@ def make_visits(seg_starts, seg_ends, *, tm: int, tiles_m: int, visit_empty: boo
     return seg, tile, num_visits.astype(jnp.int32)
 
 
+def forward_visits(group_sizes, group_offset, num_local: int, *, m: int, tm: int):
+    """Visits over [zero prefix, local groups..., zero suffix] covering all M rows."""
+    local_starts, local_ends = local_window(group_sizes, group_offset, num_local)
+    zero = jnp.zeros((1,), jnp.int32)
+    seg_starts = jnp.concatenate([zero, local_starts, local_ends[-1:]])
+    seg_ends = jnp.concatenate([local_starts[:1], local_ends, zero + m])
+    seg, tile, num_visits = make_visits(
+        seg_starts, seg_ends, tm=tm, tiles_m=_cdiv(m, tm), visit_empty=False
+    )
+    return seg, tile, num_visits, seg_starts, seg_ends
+
+
 def _row_mask(shape, tile, tm, start, end):
     rows = tile * tm + lax.broadcasted_iota(jnp.int32, shape, 0)
     return (rows >= start) & (rows < end)
@@ -189,13 +201,8 @@ def gmm(
     tm, tk, tn = t.as_tuple()
     tiles_m, tiles_k, tiles_n = _cdiv(m, tm), _cdiv(k, tk), _cdiv(n, tn)
 
-    local_starts, local_ends = local_window(group_sizes, group_offset, num_local)
-    window_start, window_end = local_starts[0], local_ends[-1]
-    zero = jnp.zeros((1,), jnp.int32)
-    seg_starts = jnp.concatenate([zero, local_starts, window_end[None]])
-    seg_ends = jnp.concatenate([window_start[None], local_ends, zero + m])
-    seg, tile, num_visits = make_visits(
-        seg_starts, seg_ends, tm=tm, tiles_m=tiles_m, visit_empty=False
+    seg, tile, num_visits, seg_starts, seg_ends = forward_visits(
+        group_sizes, group_offset, num_local, m=m, tm=tm
     )
     num_segments = num_local + 2
 

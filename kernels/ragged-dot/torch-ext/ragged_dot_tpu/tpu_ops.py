@@ -91,6 +91,7 @@ def make_experts_op():
         return experts_jax.experts_forward(
             hidden_states, top_k_index, top_k_weights, up_weight, down_weight, up_bias, down_bias,
             gate=gate, alpha=alpha, limit=limit, rhs_layout=rhs_layout,
+            generation=current_generation(),
         )
 
     return experts_forward_tpu

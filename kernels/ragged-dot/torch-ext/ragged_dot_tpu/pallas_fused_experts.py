@@ -1,0 +1,104 @@
+"""Fused gated-MLP experts kernel: gate_up -> act(gate) * up -> down, per row tile.
+
+For each visit (expert ``g``, row tile) the kernel keeps the whole expert in
+VMEM (gate rows, up rows and down of ``g``) and writes only the final
+``[tm, H]`` rows; the ``[M, 2I]`` intermediate never touches HBM.
+Consecutive visits of one expert reuse its weight blocks (same block
+index), so every active expert's weights are read exactly once.
+
+When it is used (``fits``): weights in the "nk" layout (``gate_up
+[E, 2I, H]`` with gate then up halves, ``down [E, H, I]``), a named GLU gate,
+and the double-buffered expert plus tiles within the generation's VMEM
+budget. Qwen3-30B-A3B (I=768, H=2048, bf16: 9.4 MB per expert) fits;
+gpt-oss-20b (I=2880, interleaved) does not and takes the unfused path.
+Row visits and segment masking are the ones of ``pallas_gmm``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from . import pallas_gmm, tiling as tiling_lib
+
+
+def working_set_bytes(tm: int, hidden: int, inter: int, itemsize: int) -> int:
+    weights = 3 * inter * hidden * itemsize  # gate + up + down of one expert
+    tiles = tm * hidden * itemsize + tm * hidden * itemsize  # x and out
+    return 2 * (weights + tiles) + tm * hidden * 4 + tm * 2 * inter * 4
+
+
+def fits(gate: str, rhs_layout: str, tm: int, hidden: int, inter: int, itemsize: int,
+         generation: str | None) -> bool:
+    if not gate.startswith("glu_") or rhs_layout != "nk":
+        return False
+    if inter % tiling_lib.sublane(itemsize):  # gate / up halves are row blocks of gate_up
+        return False
+    budget = tiling_lib.get_generation(generation).vmem_budget
+    return working_set_bytes(tm, hidden, inter, itemsize) <= budget
+
+
+def _kernel(seg_ref, tile_ref, seg_start_ref, seg_end_ref,
+            x_ref, gate_ref, up_ref, down_ref, out_ref,
+            *, tm: int, num_segments: int, activation):
+    v = pl.program_id(0)
+    seg, tile = seg_ref[v], tile_ref[v]
+    is_local = (seg > 0) & (seg < num_segments - 1)
+    x = x_ref[...]
+    dot = functools.partial(pallas_gmm._dot, contract_x=1, contract_w=1)
+    g = dot(x, gate_ref[...])
+    u = dot(x, up_ref[...])
+    h = (activation(g) * u).astype(down_ref.dtype)
+    y = dot(h, down_ref[...])
+    y = jnp.where(is_local, y, jnp.zeros_like(y))
+    mine = pallas_gmm._row_mask(out_ref.shape, tile, tm, seg_start_ref[seg], seg_end_ref[seg])
+    continues_tile = (v > 0) & (tile_ref[jnp.maximum(v - 1, 0)] == tile)
+    previous = jnp.where(continues_tile, out_ref[...], jnp.zeros_like(out_ref))
+    out_ref[...] = jnp.where(mine, y.astype(out_ref.dtype), previous)
+
+
+def fused_glu_experts(x, gate_up, down, group_sizes, *, gate: str, out_dtype=None,
+                      tm: int | None = None, generation: str | None = None, interpret=False):
+    """``down[g] @ (act(gate_up[g][:I] @ x) * (gate_up[g][I:] @ x))`` per row of group g."""
+    from .experts_jax import ACTIVATIONS
+
+    m, hidden = x.shape
+    num_experts, two_inter, _ = gate_up.shape
+    inter = two_inter // 2
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if m == 0:
+        return jnp.zeros((0, hidden), out_dtype)
+    if tm is None:
+        tm = tiling_lib.choose_tiling(m, hidden, two_inter, num_experts, lhs_itemsize=x.dtype.itemsize,
+                                      rhs_itemsize=gate_up.dtype.itemsize, out_itemsize=4,
+                                      generation=generation).tm
+    seg, tile, num_visits, seg_starts, seg_ends = pallas_gmm.forward_visits(
+        group_sizes, 0, num_experts, m=m, tm=tm
+    )
+
+    def expert(s):
+        return jnp.clip(s - 1, 0, num_experts - 1)
+
+    in_specs = [
+        pl.BlockSpec((tm, hidden), lambda v, seg, tile, *_: (tile[v], 0)),
+        pl.BlockSpec((pl.Squeezed(), inter, hidden), lambda v, seg, *_: (expert(seg[v]), 0, 0)),
+        pl.BlockSpec((pl.Squeezed(), inter, hidden), lambda v, seg, *_: (expert(seg[v]), 1, 0)),
+        pl.BlockSpec((pl.Squeezed(), hidden, inter), lambda v, seg, *_: (expert(seg[v]), 0, 0)),
+    ]
+    out_spec = pl.BlockSpec((tm, hidden), lambda v, seg, tile, *_: (tile[v], 0))
+    kernel = functools.partial(_kernel, tm=tm, num_segments=num_experts + 2,
+                               activation=ACTIVATIONS[gate[4:]])
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, hidden), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4, grid=(num_visits,), in_specs=in_specs, out_specs=out_spec,
+        ),
+        compiler_params=pallas_gmm._compiler_params(generation, ("arbitrary",)),
+        interpret=interpret,
+        name="fused_glu_experts",
+    )(seg, tile, seg_starts, seg_ends, x, gate_up, gate_up, down)
