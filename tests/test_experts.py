@@ -105,21 +105,23 @@ def test_bf16_logits_close():
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
-def test_expert_parallel_sentinels_add_nothing():
-    model = _model("qwen3_moe", "eager")
-    experts = model.model.layers[0].mlp.experts
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])  # gpt-oss: biases on remote rows
+def test_expert_parallel_sentinels_add_nothing(kind):
+    model = _model(kind, "eager")
+    experts = next(m for m in model.modules() if hasattr(m, "has_gate"))
+    e = experts.num_experts
     torch.manual_seed(5)
     hidden = torch.randn(6, 64)
-    index = torch.randint(0, 8, (6, 2))
+    index = torch.randint(0, e, (6, 2))
     weights = torch.rand(6, 2)
     remote = torch.tensor([[True, False], [False, False], [True, True], [False, True], [False, False], [True, False]])
     with_sentinels = ragged_dot_tpu.experts_forward(
-        experts, hidden, torch.where(remote, 8, index), torch.where(remote, 0.0, weights))
+        experts, hidden, torch.where(remote, e, index), torch.where(remote, 0.0, weights))
     # Reference: same picks, remote ones given zero weight on a real expert.
     local_only = ragged_dot_tpu.experts_forward(experts, hidden, torch.where(remote, 0, index),
                                                 torch.where(remote, 0.0, weights))
     torch.testing.assert_close(with_sentinels, local_only)
-    assert (ragged_dot_tpu.experts_forward(experts, hidden[2:3], torch.full((1, 2), 8),
+    assert (ragged_dot_tpu.experts_forward(experts, hidden[2:3], torch.full((1, 2), e),
                                            torch.zeros(1, 2)) == 0).all()
 
 

@@ -147,7 +147,11 @@ def composed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     if getattr(self, "has_post_expert_norm", False):
         out = self.post_expert_norm(out)
     weights = top_k_weights.reshape(-1)[order].to(out.dtype).unsqueeze(-1)
-    out = torch.where(remote, torch.zeros_like(out), out * weights)
+    out = out * weights
+    if has_bias or getattr(self, "has_post_expert_norm", False):
+        # Remote picks: ragged_dot left their rows zero, but a bias or norm
+        # may have made them non-zero again.
+        out = torch.where(remote, torch.zeros_like(out), out)
     # Un-sort with a static-shape scatter; summing over top_k per token.
     combined = torch.zeros(num_tokens * top_k, hidden, dtype=out.dtype, device=out.device)
     combined = combined.index_copy(0, order, out)
