@@ -15,6 +15,7 @@ Usage: python bench/bench_experts.py [--tokens 1 16 64 256 512] [--out bench/res
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import sys
 
@@ -27,7 +28,7 @@ sys.path.insert(0, str(ROOT / "kernels" / "ragged-dot" / "torch-ext"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import ragged_dot_tpu  # noqa: E402
-from common import parse_args, time_median, write_report  # noqa: E402
+from common import parse_args, time_interleaved, write_report  # noqa: E402
 from ragged_dot_tpu import tiling  # noqa: E402
 
 MODELS = {
@@ -71,14 +72,18 @@ def cpu_rows(tokens_list, repeats):
             hidden = torch.randn(tokens, config.hidden_size, generator=gen).bfloat16()
             index = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)])
             weights = torch.rand(tokens, top_k, generator=gen).bfloat16()
+            fns = {"ours": lambda: ragged_dot_tpu.experts_forward(module, hidden, index, weights)}
+            row = {"model": name, "tokens": tokens}
+            for peer, fn in impls.items():
+                if peer == "batched_mm" and tokens * top_k * weight_bytes > BATCHED_MM_BYTES:
+                    row[peer] = "skipped (memory)"
+                else:
+                    fns[peer] = functools.partial(fn, hidden, index, weights)
             with torch.no_grad():
-                ours = time_median(lambda: ragged_dot_tpu.experts_forward(module, hidden, index, weights), repeats)
-                row = {"model": name, "tokens": tokens, "ours_ms": ours * 1e3}
-                for peer, fn in impls.items():
-                    if peer == "batched_mm" and tokens * top_k * weight_bytes > BATCHED_MM_BYTES:
-                        row[peer] = "skipped (memory)"
-                        continue
-                    row[peer] = time_median(lambda: fn(hidden, index, weights), repeats) / ours
+                times = time_interleaved(fns, repeats)
+            row["ours_ms"] = times["ours"] * 1e3
+            row.update({peer: times[peer] / times["ours"] for peer in fns if peer != "ours"})
+            row = {k: row[k] for k in ["model", "tokens", "ours_ms", *impls] if k in row}
             rows.append(row)
             print(row, flush=True)
     return rows
@@ -121,7 +126,7 @@ def main():
     tpu = tpu_decode_bytes([1, 8, 64])
     write_report(
         args.out, "experts.md", "MoE experts layer benchmark",
-        f"One experts layer, bf16, {torch.get_num_threads()} CPU threads, median of runs, no grad. "
+        f"One experts layer, bf16, {torch.get_num_threads()} CPU threads, median of interleaved runs, no grad. "
         "Columns after `ours_ms` are peer time / our time (>1: ours faster).",
         [(None, cpu), ("TPU v6e on paper: HBM bytes per experts forward vs the minimum", tpu)],
     )

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "kernels" / "ragged-dot" / "torch-ext"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import ragged_dot_tpu  # noqa: E402
-from common import parse_args, time_median, write_report  # noqa: E402
+from common import parse_args, time_interleaved, write_report  # noqa: E402
 from ragged_dot_tpu import aot  # noqa: E402
 
 SHAPES = {  # (hidden, intermediate, experts, top_k)
@@ -79,10 +79,10 @@ def cpu_table(tokens_list, repeats):
         for tokens in tokens_list:
             sizes = _routing(tokens, experts, top_k, gen)
             lhs = torch.randn(tokens * top_k, hidden, generator=gen).bfloat16()
-            ours = time_median(lambda: ragged_dot_tpu.ragged_dot(lhs, rhs, sizes), repeats)
-            row = {"model": model, "tokens": tokens, "ours_ms": ours * 1e3}
-            for name, fn in _peers(lhs, rhs, sizes).items():
-                row[name] = time_median(fn, repeats) / ours
+            fns = {"ours": lambda: ragged_dot_tpu.ragged_dot(lhs, rhs, sizes), **_peers(lhs, rhs, sizes)}
+            times = time_interleaved(fns, repeats)
+            row = {"model": model, "tokens": tokens, "ours_ms": times["ours"] * 1e3}
+            row.update({name: times[name] / times["ours"] for name in fns if name != "ours"})
             rows.append(row)
             print(row, flush=True)
     return rows
@@ -107,7 +107,7 @@ def main():
     write_report(
         args.out, "ragged_dot.md", "ragged_dot benchmark",
         f"gate_up projection (`[T*top_k, H] x [E, 2I, H]`), bf16, {torch.get_num_threads()} CPU threads, "
-        "median of runs. Columns after `ours_ms` are peer time / our time (>1: ours faster).",
+        "median of interleaved runs. Columns after `ours_ms` are peer time / our time (>1: ours faster).",
         [(None, cpu), ("TPU: tiling chosen and VMEM working set (AOT compile, no TPU attached)", tpu)],
     )
 

@@ -10,15 +10,19 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def time_median(fn, repeats: int) -> float:
-    """Median wall time of ``fn()`` in seconds, after one warm-up call."""
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def time_interleaved(fns: dict, repeats: int) -> dict:
+    """Median seconds per callable, timed in alternating rounds (one call of
+    each per round, after one warm-up each), so that a slow spell of a noisy
+    host hits every contender alike instead of one of them."""
+    for fn in fns.values():
         fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    samples = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def markdown(rows, float_fmt="{:.2f}") -> str:

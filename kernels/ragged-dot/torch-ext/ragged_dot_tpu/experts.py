@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import jax_bridge
-from .ops import ragged_dot, register_tpu_ops
+from .ops import _needs_grad, ragged_dot, register_tpu_ops
 
 _GELU_TANH = {"GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "GELUPytorchTanh"}
 _ACTIVATION_NAMES = {
@@ -106,16 +106,12 @@ def fused_experts_forward_interpret(self, hidden_states, top_k_index, top_k_weig
     return jax_bridge.to_torch(out)
 
 
-def _wants_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """Transformers experts function. On TPU at inference: one fused jax_op;
     otherwise (CPU, or training) grouped matmul ops with autograd."""
     if hidden_states.device.type == "tpu":
         args = _fused_args(self)
-        if not _wants_grad(hidden_states, top_k_weights, *args[:4]):
+        if not _needs_grad(hidden_states, top_k_weights, *(t for t in args[:4] if t is not None)):
             up, down, up_bias, down_bias, gate, alpha, limit, layout = args
             op = register_tpu_ops()["experts"]
             return op(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), up, down,

@@ -188,6 +188,10 @@ if tpu_available():
 # ----------------------------------------------------------------------------
 
 
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def ragged_dot(
     lhs: torch.Tensor,
     rhs: torch.Tensor,
@@ -232,4 +236,10 @@ def ragged_dot(
     impl = "native" if impl == "auto" else impl
     if impl not in HOST_IMPLS:
         raise ValueError(f"ragged_dot: impl must be 'auto' or one of {HOST_IMPLS} on CPU, got {impl!r}")
+    if impl == "native" and not torch.compiler.is_compiling() and not _needs_grad(lhs, rhs):
+        # Eager inference: skip the custom-op dispatch (~0.3 ms per call,
+        # measured at decode sizes, 8% of a gate_up projection). Compiled graphs
+        # and autograd go through the op below.
+        validation.check_group_size_values(group_sizes, lhs.shape[0])
+        return cpu_native.ragged_dot(lhs, rhs, group_sizes, rhs_layout, offset, out_dtype)
     return host_ragged_dot(lhs, rhs, group_sizes, rhs_layout, offset, out_dtype, tm, tk, tn, impl)
