@@ -235,10 +235,15 @@ results, info["op_calls"], info["config_impl"] = {}, {}, {}
 for impl in ("eager", "moe_experts_tpu", "ragged_dot_tpu"):
     model = AutoModelForCausalLM.from_pretrained(tiny, experts_implementation=impl).eval()
     info["config_impl"][impl] = model.config._experts_implementation
-    with torch.no_grad(), OpCalls() as calls:
+    with torch.no_grad():
         logits = model(ids).logits
         gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                              pad_token_id=0, return_dict_in_generate=True, output_scores=True)
+    # Which kernel's torch ops ran: with gradients on, the experts path goes
+    # through the registered (autograd) ops; eager CPU inference calls the
+    # native kernel directly, skipping the op dispatch.
+    with OpCalls() as calls:
+        model(ids).logits.sum()
     # Gap between the best and the second-best token at every greedy step.
     top2 = torch.stack(gen.scores).topk(2, dim=-1).values
     info.setdefault("greedy_margin", {})[impl] = float((top2[..., 0] - top2[..., 1]).min())
