@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from . import layouts
+
 
 def _group_bounds(group_sizes: torch.Tensor) -> list[tuple[int, int]]:
     sizes = group_sizes.tolist()
@@ -35,7 +37,7 @@ def ragged_dot(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     m = lhs.shape[0]
-    n = rhs.shape[1] if rhs_layout == "nk" else rhs.shape[2]
+    n = layouts.out_features(rhs.shape, rhs_layout)
     bounds = _group_bounds(group_sizes)
     num_local = rhs.shape[0]
     window_start, window_end = bounds[group_offset][0], bounds[group_offset + num_local - 1][1]
@@ -84,8 +86,7 @@ def ragged_dot_weight_grad(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     k, n = lhs.shape[1], dout.shape[1]
-    shape = (num_local_groups, n, k) if rhs_layout == "nk" else (num_local_groups, k, n)
-    grad = lhs.new_zeros(shape, dtype=out_dtype)
+    grad = lhs.new_zeros(layouts.weight_shape(num_local_groups, k, n, rhs_layout), dtype=out_dtype)
     bounds = _group_bounds(group_sizes)
     for local in range(num_local_groups):
         start, end = bounds[group_offset + local]

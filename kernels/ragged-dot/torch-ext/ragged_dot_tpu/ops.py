@@ -20,15 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu_native, jax_bridge, validation
+from . import cpu_native, jax_bridge, layouts, validation
 from ._ops import op_name
 
-OTHER_LAYOUT = {"nk": "kn", "kn": "nk"}
 HOST_IMPLS = ("native", "interpret")
-
-
-def _n_of(rhs: torch.Tensor, rhs_layout: str) -> int:
-    return rhs.shape[1] if rhs_layout == "nk" else rhs.shape[2]
 
 
 # ----------------------------------------------------------------------------
@@ -77,7 +72,7 @@ def host_ragged_dot(
 
 @host_ragged_dot.register_fake
 def _(lhs, rhs, group_sizes, rhs_layout, group_offset, out_dtype, tm, tk, tn, impl):
-    return lhs.new_empty((lhs.shape[0], _n_of(rhs, rhs_layout)), dtype=out_dtype)
+    return lhs.new_empty((lhs.shape[0], layouts.out_features(rhs.shape, rhs_layout)), dtype=out_dtype)
 
 
 @torch.library.custom_op(op_name("ragged_dot_weight_grad"), mutates_args=(), device_types="cpu")
@@ -106,8 +101,7 @@ def host_weight_grad(
 @host_weight_grad.register_fake
 def _(lhs, dout, group_sizes, num_local_groups, rhs_layout, group_offset, out_dtype, tm, tk, tn, impl):
     k, n = lhs.shape[1], dout.shape[1]
-    shape = (num_local_groups, n, k) if rhs_layout == "nk" else (num_local_groups, k, n)
-    return lhs.new_empty(shape, dtype=out_dtype)
+    return lhs.new_empty(layouts.weight_shape(num_local_groups, k, n, rhs_layout), dtype=out_dtype)
 
 
 # ----------------------------------------------------------------------------
@@ -129,7 +123,7 @@ def _register_autograd(forward_op, weight_grad_op):
         dout = dout.to(rhs.dtype)
         d_lhs = d_rhs = None
         if ctx.needs_input_grad[0]:
-            d_lhs = forward_op(dout, rhs, group_sizes, OTHER_LAYOUT[ctx.rhs_layout],
+            d_lhs = forward_op(dout, rhs, group_sizes, layouts.OTHER_LAYOUT[ctx.rhs_layout],
                                ctx.group_offset, lhs.dtype, 0, 0, 0, *ctx.trailing)
         if ctx.needs_input_grad[1]:
             d_rhs = weight_grad_op(lhs, dout, group_sizes, rhs.shape[0], ctx.rhs_layout,

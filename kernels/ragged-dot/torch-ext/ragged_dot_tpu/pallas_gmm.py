@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import tiling as tiling_lib
+from . import layouts, tiling as tiling_lib
 
 RhsLayout = Literal["nk", "kn"]
 
@@ -193,7 +193,7 @@ def gmm(
     """Grouped matmul. See the module docstring; inputs are assumed valid."""
     m, k = lhs.shape
     num_local = rhs.shape[0]
-    n = rhs.shape[1] if rhs_layout == "nk" else rhs.shape[2]
+    n = layouts.out_features(rhs.shape, rhs_layout)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
@@ -308,7 +308,7 @@ def tgmm(
     m, k = lhs.shape
     n = dout.shape[1]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-    out_shape = (num_local_groups, n, k) if rhs_layout == "nk" else (num_local_groups, k, n)
+    out_shape = layouts.weight_shape(num_local_groups, k, n, rhs_layout)
     if m == 0:
         return jnp.zeros(out_shape, out_dtype)
     t = _resolve_tiling(tiling, m, k, n, num_local_groups, lhs, dout, out_dtype, generation)

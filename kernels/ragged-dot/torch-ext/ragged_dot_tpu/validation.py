@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from . import layouts
+from .layouts import LAYOUTS
+
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
-LAYOUTS = ("nk", "kn")
 
 
 def _fail(message: str):
@@ -56,8 +58,8 @@ def check_ragged_dot_args(
             f"{lhs.device}, {rhs.device} and {group_sizes.device}"
         )
     m, k = lhs.shape
-    rhs_k = rhs.shape[2] if rhs_layout == "nk" else rhs.shape[1]
-    n = rhs.shape[1] if rhs_layout == "nk" else rhs.shape[2]
+    rhs_k = layouts.in_features(rhs.shape, rhs_layout)
+    n = layouts.out_features(rhs.shape, rhs_layout)
     if rhs_k != k:
         where = "rhs.shape[2]" if rhs_layout == "nk" else "rhs.shape[1]"
         _fail(f"contraction dims differ: lhs.shape[1]={k} but {where}={rhs_k} (rhs_layout={rhs_layout!r})")
