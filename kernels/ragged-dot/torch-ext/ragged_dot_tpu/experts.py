@@ -20,8 +20,14 @@ from __future__ import annotations
 
 import torch
 
-from . import jax_bridge
+from . import cpu_native, jax_bridge
 from .ops import _needs_grad, ragged_dot, register_tpu_ops
+
+# The CPU chunk rule (``cpu_chunk_rows``): about half this host's L3, and a
+# floor under which BLAS matmuls lose their efficiency. Measured in
+# bench/bench_experts.py (--chunk-sweep).
+CPU_CHUNK_BYTES = 8 << 20
+CPU_MIN_CHUNK_ROWS = 128
 
 _GELU_TANH = {"GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "GELUPytorchTanh"}
 _ACTIVATION_NAMES = {
@@ -58,6 +64,10 @@ def gate_of_module(module) -> tuple[str, float, float]:
     return "glu_" + _ACTIVATION_NAMES[act_name], 0.0, 0.0
 
 
+def _layout(self) -> str:
+    return "kn" if getattr(self, "is_transposed", False) else "nk"
+
+
 def route(top_k_index: torch.Tensor, num_experts: int):
     """Sorted order of the (token, expert) picks and rows per expert."""
     expert_ids = top_k_index.reshape(-1)
@@ -68,11 +78,18 @@ def route(top_k_index: torch.Tensor, num_experts: int):
     return sorted_ids, order, counts[:num_experts]
 
 
-def _projection(x, weight, bias, sorted_ids, group_sizes, layout, num_experts):
-    out = ragged_dot(x.to(weight.dtype), weight, group_sizes, rhs_layout=layout)
-    if bias is not None:
-        # Clamped ids keep the gather in bounds; sentinel rows are masked below.
-        out = out + bias[sorted_ids.clamp(max=num_experts - 1)].to(out.dtype)
+def _expert_mlp(self, x, project):
+    """The module's expert MLP on rows ``x``: up (or gate_up) projection, its
+    own gate or activation, down projection, optional post-expert norm.
+    ``project(x, weight, bias_or_None)`` is the grouped matmul (plus bias)."""
+    has_bias = getattr(self, "has_bias", False)
+    if getattr(self, "has_gate", True):
+        h = self._apply_gate(project(x, self.gate_up_proj, self.gate_up_proj_bias if has_bias else None))
+    else:
+        h = self.act_fn(project(x, self.up_proj, self.up_proj_bias if has_bias else None))
+    out = project(h, self.down_proj, self.down_proj_bias if has_bias else None)
+    if getattr(self, "has_post_expert_norm", False):
+        out = self.post_expert_norm(out)
     return out
 
 
@@ -86,8 +103,7 @@ def _fused_args(self):
     up = self.gate_up_proj if has_gate else self.up_proj
     up_bias = (self.gate_up_proj_bias if has_gate else self.up_proj_bias) if has_bias else None
     down_bias = self.down_proj_bias if has_bias else None
-    layout = "kn" if getattr(self, "is_transposed", False) else "nk"
-    return up, self.down_proj, up_bias, down_bias, gate, alpha, limit, layout
+    return up, self.down_proj, up_bias, down_bias, gate, alpha, limit, _layout(self)
 
 
 def fused_experts_forward_interpret(self, hidden_states, top_k_index, top_k_weights):
@@ -107,48 +123,88 @@ def fused_experts_forward_interpret(self, hidden_states, top_k_index, top_k_weig
 
 
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    """Transformers experts function. On TPU at inference: one fused jax_op;
-    otherwise (CPU, or training) grouped matmul ops with autograd."""
-    if hidden_states.device.type == "tpu":
-        args = _fused_args(self)
-        if not _needs_grad(hidden_states, top_k_weights, *(t for t in args[:4] if t is not None)):
-            up, down, up_bias, down_bias, gate, alpha, limit, layout = args
-            op = register_tpu_ops()["experts"]
-            return op(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), up, down,
-                      up_bias, down_bias, gate, alpha, limit, layout)
+    """Transformers experts function. Inference: one fused jax_op on TPU, the
+    chunked path on CPU; with gradients or under ``torch.compile``: grouped
+    matmul ops with autograd and fake kernels."""
+    needs_grad = _needs_grad(hidden_states, top_k_weights, *self.parameters())
+    if hidden_states.device.type == "tpu" and not needs_grad:
+        up, down, up_bias, down_bias, gate, alpha, limit, layout = _fused_args(self)
+        op = register_tpu_ops()["experts"]
+        return op(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), up, down,
+                  up_bias, down_bias, gate, alpha, limit, layout)
+    if hidden_states.device.type == "cpu" and not needs_grad and not torch.compiler.is_compiling():
+        return cpu_inference_forward(self, hidden_states, top_k_index, top_k_weights)
     return composed_experts_forward(self, hidden_states, top_k_index, top_k_weights)
 
 
 def composed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """Every step a torch op with autograd and a fake kernel (training,
+    ``torch.compile``, and the TPU path when gradients are needed)."""
     num_tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[-1]
     num_experts = self.num_experts
-    layout = "kn" if getattr(self, "is_transposed", False) else "nk"
-    has_bias = getattr(self, "has_bias", False)
+    layout = _layout(self)
 
     sorted_ids, order, group_sizes = route(top_k_index, num_experts)
-    x = hidden_states[order // top_k]
-    remote = (sorted_ids >= num_experts).unsqueeze(-1)
+    safe_ids = sorted_ids.clamp(max=num_experts - 1)  # keeps bias gathers in bounds
 
-    if getattr(self, "has_gate", True):
-        up = _projection(x, self.gate_up_proj, self.gate_up_proj_bias if has_bias else None,
-                         sorted_ids, group_sizes, layout, num_experts)
-        act = self._apply_gate(up)
-    else:
-        up = _projection(x, self.up_proj, self.up_proj_bias if has_bias else None,
-                         sorted_ids, group_sizes, layout, num_experts)
-        act = self.act_fn(up)
-    out = _projection(act, self.down_proj, self.down_proj_bias if has_bias else None,
-                      sorted_ids, group_sizes, layout, num_experts)
-    if getattr(self, "has_post_expert_norm", False):
-        out = self.post_expert_norm(out)
+    def project(x, weight, bias):
+        out = ragged_dot(x.to(weight.dtype), weight, group_sizes, rhs_layout=layout)
+        return out if bias is None else out + bias[safe_ids].to(out.dtype)
+
+    out = _expert_mlp(self, hidden_states[order // top_k], project)
     weights = top_k_weights.reshape(-1)[order].to(out.dtype).unsqueeze(-1)
     out = out * weights
-    if has_bias or getattr(self, "has_post_expert_norm", False):
+    if getattr(self, "has_bias", False) or getattr(self, "has_post_expert_norm", False):
         # Remote picks: ragged_dot left their rows zero, but a bias or norm
         # may have made them non-zero again.
-        out = torch.where(remote, torch.zeros_like(out), out)
+        out = torch.where((sorted_ids >= num_experts).unsqueeze(-1), torch.zeros_like(out), out)
     # Un-sort with a static-shape scatter; summing over top_k per token.
     combined = torch.zeros(num_tokens * top_k, hidden, dtype=out.dtype, device=out.device)
     combined = combined.index_copy(0, order, out)
     return combined.view(num_tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+
+
+def cpu_chunk_rows(self, itemsize: int) -> int:
+    """Rows per chunk of the CPU inference path: as many as keep one chunk's
+    activations (input, up, gate output, down, f32 copy for the sum) within
+    ``CPU_CHUNK_BYTES``, and at least ``CPU_MIN_CHUNK_ROWS`` so each matmul
+    stays large enough for BLAS to run near its peak."""
+    hidden = self.down_proj.shape[-1] if getattr(self, "is_transposed", False) else self.down_proj.shape[-2]
+    up = self.gate_up_proj if getattr(self, "has_gate", True) else self.up_proj
+    up_features = up.shape[-1] if getattr(self, "is_transposed", False) else up.shape[-2]
+    per_row = itemsize * (2 * hidden + 2 * up_features) + 4 * hidden
+    return max(CPU_MIN_CHUNK_ROWS, CPU_CHUNK_BYTES // per_row)
+
+
+def cpu_inference_forward(self, hidden_states, top_k_index, top_k_weights, *, chunk_rows=None):
+    """The CPU path without autograd: the same math as ``composed_experts_forward``,
+    run chunk by chunk over the sorted rows (``cpu_native.plan_row_chunks``).
+
+    Each chunk goes through gate_up -> gate -> down -> routing weight and is
+    added into an f32 ``[T, H]`` output, so the intermediates stay small enough
+    to live in cache instead of being written as ``[T*K, 2I]`` tensors, and no
+    row past ``sum(group_sizes)`` (remote experts) is touched at all.
+    """
+    num_tokens, hidden = hidden_states.shape
+    top_k = top_k_index.shape[-1]
+    layout = _layout(self)
+    sorted_ids, order, group_sizes = route(top_k_index, self.num_experts)
+    token_of_row = order // top_k
+    row_weights = top_k_weights.reshape(-1)[order]
+    out = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+    compute_dtype = (self.gate_up_proj if getattr(self, "has_gate", True) else self.up_proj).dtype
+    chunk_rows = chunk_rows or cpu_chunk_rows(self, compute_dtype.itemsize)
+    for chunk in cpu_native.plan_row_chunks(group_sizes.tolist(), chunk_rows):
+        rows = slice(chunk.row_start, chunk.row_end)
+        experts = slice(chunk.first_expert, chunk.first_expert + len(chunk.sizes))
+
+        def project(x, weight, bias, rows=rows, chunk=chunk, experts=experts):
+            y = cpu_native.grouped_matmul(x.to(weight.dtype), weight[experts], chunk.sizes, layout, weight.dtype)
+            return y if bias is None else y + bias[sorted_ids[rows]].to(y.dtype)
+
+        tokens = token_of_row[rows]
+        y = _expert_mlp(self, hidden_states[tokens], project)
+        y = y * row_weights[rows].to(y.dtype).unsqueeze(-1)
+        out.index_add_(0, tokens, y.to(torch.float32))
+    return out.to(hidden_states.dtype)

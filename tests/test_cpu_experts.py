@@ -1,0 +1,202 @@
+"""The CPU inference path of experts_forward: row chunks, grouped matmul
+windows (both ways through them), and the chunked experts forward against
+each module's own eager loop."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+import reference
+import ragged_dot_tpu
+from ragged_dot_tpu import cpu_native, experts
+
+SEED = int(os.environ.get("TEST_SEED", np.random.SeedSequence().entropy % (2**31)))
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Output buffers start as NaN: a row the code forgets to write shows up."""
+
+    def nan_buffer(like, shape, dtype):
+        return torch.full(shape, float("nan"), dtype=dtype)
+
+    monkeypatch.setattr(cpu_native, "new_output", nan_buffer)
+
+
+def test_poison_is_active(poisoned_outputs):
+    assert torch.isnan(cpu_native.new_output(torch.zeros(1), (2, 3), torch.float32)).all()
+
+
+@pytest.mark.parametrize("trial", range(200))
+def test_row_chunks_cover_every_row_once(trial):
+    rng = np.random.default_rng(SEED + trial)
+    num_experts = int(rng.integers(1, 12))
+    sizes = [int(s) for s in rng.integers(0, 9, size=num_experts) * (rng.random(num_experts) < 0.6)]
+    max_rows = int(rng.integers(1, 12))
+    chunks = cpu_native.plan_row_chunks(sizes, max_rows)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    covered = []
+    for chunk in chunks:
+        assert chunk.row_end - chunk.row_start == sum(chunk.sizes) <= max_rows
+        assert chunk.sizes[0] > 0 and chunk.sizes[-1] > 0  # no empty experts at the edges
+        row = chunk.row_start
+        for i, size in enumerate(chunk.sizes):
+            expert = chunk.first_expert + i
+            # the chunk's rows of this expert lie inside the expert's rows
+            assert starts[expert] <= row and row + size <= starts[expert + 1]
+            if size < sizes[expert]:  # an expert is split only when it alone is too big
+                assert sizes[expert] > max_rows and len(chunk.sizes) == 1
+            row += size
+        covered.extend(range(chunk.row_start, chunk.row_end))
+    assert covered == list(range(sum(sizes))), (sizes, max_rows, chunks)
+
+
+def test_row_chunks_reject_bad_size():
+    with pytest.raises(ValueError, match="max_rows must be >= 1"):
+        cpu_native.plan_row_chunks([1, 2], 0)
+
+
+@pytest.mark.parametrize("sparse_ratio", [0, 10**6], ids=["grouped_mm", "loop"])
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                             (torch.bfloat16, torch.float32)])
+def test_grouped_matmul_both_ways_match_reference(poisoned_outputs, monkeypatch, sparse_ratio, layout,
+                                                  dtype, out_dtype):
+    monkeypatch.setattr(cpu_native, "SPARSE_WINDOW_RATIO", sparse_ratio)
+    gen = torch.Generator().manual_seed(SEED)
+    sizes = [5, 0, 9, 1, 0, 4]
+    k, n = 24, 36
+    x = torch.randn(sum(sizes), k, generator=gen).to(dtype)
+    shape = (len(sizes), n, k) if layout == "nk" else (len(sizes), k, n)
+    rhs = torch.randn(shape, generator=gen).to(dtype)
+    out = cpu_native.grouped_matmul(x, rhs, sizes, layout, out_dtype)
+    assert out.dtype == out_dtype and out.shape == (sum(sizes), n)
+    want = reference.ragged_dot(x.double().numpy(), rhs.double().numpy(), sizes, layout)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    np.testing.assert_allclose(out.double().numpy(), want, rtol=tol, atol=tol * np.sqrt(k),
+                               err_msg=f"seed={SEED}")
+
+
+def test_ragged_dot_native_writes_every_row(poisoned_outputs):
+    gen = torch.Generator().manual_seed(SEED)
+    lhs, rhs = torch.randn(20, 8, generator=gen), torch.randn(3, 6, 8, generator=gen)
+    sizes = torch.tensor([0, 4, 0, 7, 2, 0], dtype=torch.int32)
+    out = ragged_dot_tpu.ragged_dot(lhs, rhs, sizes, group_offset=2)
+    want = reference.ragged_dot(lhs.double().numpy(), rhs.double().numpy(), sizes.numpy(), "nk", group_offset=2)
+    np.testing.assert_allclose(out.double().numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# The chunked experts forward against the module's own eager loop
+# ----------------------------------------------------------------------------
+
+MODULES = {
+    "qwen3_moe": ("transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts",
+                  dict(model_type="qwen3_moe", hidden_size=32, moe_intermediate_size=24, num_experts=9)),
+    "gpt_oss": ("transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts",  # transposed, biased
+                dict(model_type="gpt_oss", hidden_size=32, intermediate_size=24, num_local_experts=7)),
+    "nemotron_h": ("transformers.models.nemotron_h.modeling_nemotron_h.NemotronHExperts",  # no gate
+                   dict(n_routed_experts=6, hidden_size=32, moe_intermediate_size=24, moe_latent_size=None,
+                        mlp_hidden_act="relu2")),
+    "muse_spark": ("transformers.models.muse_spark.modeling_muse_spark.MuseSparkExperts",  # post norm
+                   dict(num_local_experts=6, moe_hidden_size=32, moe_intermediate_size=24, hidden_act="silu",
+                        post_norm_eps=1e-6)),
+}
+
+
+def _experts(kind, dtype=torch.float32):
+    import importlib
+
+    cls_path, cfg = MODULES[kind]
+    module_name, cls_name = cls_path.rsplit(".", 1)
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    cfg = dict(cfg)
+    model_type = cfg.pop("model_type", None)
+    config = AutoConfig.for_model(model_type, **cfg) if model_type else PretrainedConfig(**cfg)
+    torch.manual_seed(SEED)
+    module = cls(config)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.2)
+    return module.to(dtype).eval()
+
+
+def _routing(num_tokens, num_experts, top_k, gen, sentinels=False):
+    index = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, top_k, generator=gen)
+    if sentinels:  # expert parallelism: some picks belong to another rank
+        remote = torch.rand(num_tokens, top_k, generator=gen) < 0.3
+        index, weights = torch.where(remote, num_experts, index), torch.where(remote, 0.0, weights)
+    return index, weights
+
+
+def _eager(module, hidden, index, weights):
+    """The module's own loop, with remote picks pointed at a real expert with weight 0."""
+    local = index.clamp(max=module.num_experts - 1)
+    return type(module).forward.__wrapped__(module, hidden, local, weights)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 3, 8, None])
+@pytest.mark.parametrize("kind", sorted(MODULES))
+def test_chunked_forward_matches_module_eager(poisoned_outputs, kind, chunk_rows):
+    module = _experts(kind)
+    gen = torch.Generator().manual_seed(SEED + 1)
+    hidden = torch.randn(11, 32, generator=gen)
+    index, weights = _routing(11, module.num_experts, 3, gen, sentinels=True)
+    with torch.no_grad():
+        got = experts.cpu_inference_forward(module, hidden, index, weights, chunk_rows=chunk_rows)
+        want = _eager(module, hidden, index, weights)
+    assert got.dtype == hidden.dtype
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"seed={SEED}")
+
+
+def test_chunked_forward_bf16_and_split_experts(poisoned_outputs):
+    """Many tokens on few experts: experts split across chunks, bf16 tolerance."""
+    module = _experts("qwen3_moe", torch.bfloat16)
+    gen = torch.Generator().manual_seed(SEED + 2)
+    hidden = torch.randn(40, 32, generator=gen).bfloat16()
+    index = torch.randint(0, 3, (40, 2), generator=gen)
+    weights = torch.rand(40, 2, generator=gen).bfloat16()
+    with torch.no_grad():
+        got = experts.cpu_inference_forward(module, hidden, index, weights, chunk_rows=16)
+        want = _eager(module, hidden, index, weights)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
+def test_chunked_and_composed_paths_agree(kind):
+    module = _experts(kind)
+    gen = torch.Generator().manual_seed(SEED + 3)
+    hidden = torch.randn(9, 32, generator=gen)
+    index, weights = _routing(9, module.num_experts, 2, gen, sentinels=True)
+    with torch.no_grad():
+        chunked = experts.cpu_inference_forward(module, hidden, index, weights, chunk_rows=4)
+        composed = experts.composed_experts_forward(module, hidden, index, weights)
+    torch.testing.assert_close(chunked, composed, rtol=1e-5, atol=1e-5)
+
+
+def test_all_picks_remote_or_no_tokens_give_zeros():
+    module = _experts("gpt_oss")  # biases: a remote row must not even get the bias
+    with torch.no_grad():
+        remote = experts.cpu_inference_forward(module, torch.randn(3, 32), torch.full((3, 2), 7), torch.zeros(3, 2))
+        empty = experts.cpu_inference_forward(module, torch.randn(0, 32), torch.zeros(0, 2, dtype=torch.long),
+                                              torch.zeros(0, 2))
+    assert (remote == 0).all() and empty.shape == (0, 32)
+
+
+def test_dispatch_inference_chunked_training_composed(monkeypatch):
+    module = _experts("qwen3_moe")
+    taken = []
+    monkeypatch.setattr(experts, "cpu_inference_forward", lambda *a, **k: taken.append("chunked"))
+    monkeypatch.setattr(experts, "composed_experts_forward", lambda *a, **k: taken.append("composed"))
+    hidden, index, weights = torch.randn(2, 32), torch.tensor([[0, 1], [2, 3]]), torch.rand(2, 2)
+    with torch.no_grad():
+        experts.experts_forward(module, hidden, index, weights)
+    experts.experts_forward(module, hidden, index, weights)  # parameters require grad
+    module.requires_grad_(False)
+    experts.experts_forward(module, hidden.requires_grad_(), index, weights)
+    assert taken == ["chunked", "composed", "composed"]
+
