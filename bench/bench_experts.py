@@ -8,9 +8,11 @@ is skipped where that copy would not fit in memory.
 
 Also, on paper for TPU v6e: the HBM bytes one decode step of our experts
 forward moves, from the tiling the kernel picks, against the minimum (each
-active expert's weights read once).
+active expert's weights read once), and a roofline model of the fused
+experts kernel against the two grouped matmuls at every token count.
 
-Usage: python bench/bench_experts.py [--tokens 1 16 64 256 512] [--out bench/results]
+Usage: python bench/bench_experts.py [--tokens 1 16 64 256 512 1024 4096] [--out bench/results]
+Writes bench/results/experts.md and experts.png.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import ragged_dot_tpu  # noqa: E402
 from common import parse_args, time_interleaved, write_report  # noqa: E402
-from ragged_dot_tpu import tiling  # noqa: E402
+from ragged_dot_tpu import pallas_fused_experts, tiling  # noqa: E402
 
 MODELS = {
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, moe_intermediate_size=768,
@@ -38,6 +40,10 @@ MODELS = {
                         num_local_experts=32, num_experts_per_tok=4),
 }
 BATCHED_MM_BYTES = 6 << 30  # skip batched_mm above this much gathered weight
+PEERS = ("eager", "grouped_mm", "batched_mm")
+# TPU v6e, per chip: HBM bandwidth and bf16 MXU peak (public spec figures).
+V6E_HBM_BYTES_PER_S = 1640e9
+V6E_BF16_FLOPS = 918e12
 
 
 def _experts(name):
@@ -83,10 +89,23 @@ def cpu_rows(tokens_list, repeats):
                 times = time_interleaved(fns, repeats)
             row["ours_ms"] = times["ours"] * 1e3
             row.update({peer: times[peer] / times["ours"] for peer in fns if peer != "ours"})
-            row = {k: row[k] for k in ["model", "tokens", "ours_ms", *impls] if k in row}
+            row["fastest built-in"] = min(times[p] for p in fns if p != "ours") / times["ours"]
+            row = {k: row[k] for k in ["model", "tokens", "ours_ms", *impls, "fastest built-in"] if k in row}
             rows.append(row)
             print(row, flush=True)
     return rows
+
+
+def _shape(cfg):
+    h = cfg["hidden_size"]
+    i = cfg.get("moe_intermediate_size", cfg.get("intermediate_size"))
+    e = cfg.get("num_experts", cfg.get("num_local_experts"))
+    return h, i, e, cfg["num_experts_per_tok"]
+
+
+def _active_experts(tokens, num_experts, top_k):
+    """Expected experts hit by ``tokens`` tokens routed uniformly at random."""
+    return min(num_experts, top_k) if tokens == 1 else num_experts * (1 - (1 - top_k / num_experts) ** tokens)
 
 
 def tpu_decode_bytes(tokens_list):
@@ -99,13 +118,10 @@ def tpu_decode_bytes(tokens_list):
     """
     rows = []
     for name, cfg in MODELS.items():
-        h = cfg["hidden_size"]
-        i = cfg.get("moe_intermediate_size", cfg.get("intermediate_size"))
-        e = cfg.get("num_experts", cfg.get("num_local_experts"))
-        k = cfg["num_experts_per_tok"]
+        h, i, e, k = _shape(cfg)
         for tokens in tokens_list:
             m = tokens * k
-            active = min(e, m) if tokens == 1 else e * (1 - (1 - k / e) ** tokens)
+            active = _active_experts(tokens, e, k)
             total = minimum = 0.0
             for kk, nn in ((h, 2 * i), (i, h)):
                 t = tiling.choose_tiling(m, kk, nn, e, lhs_itemsize=2, rhs_itemsize=2,
@@ -120,16 +136,89 @@ def tpu_decode_bytes(tokens_list):
     return rows
 
 
+def tpu_fused_vs_unfused(tokens_list, name="qwen3-30b-a3b", generation="v6e"):
+    """Roofline model of one experts forward on v6e: fused kernel vs two grouped matmuls.
+
+    Both paths do the same MXU work (each active expert's rows padded to
+    whole ``tm`` tiles) and read each active expert's weights once. The two
+    matmuls also write the ``[M, 2I]`` f32 gate_up output, read it back for
+    the gate, write the ``[M, I]`` activation and read it again (once per
+    output column tile of the down projection); the fused kernel keeps all of
+    that in VMEM. Modeled time per kernel = max(bytes / HBM bandwidth,
+    flops / MXU peak). Not a measurement: no TPU here.
+    """
+    h, i, e, k = _shape(MODELS[name])
+    rows = []
+    for tokens in tokens_list:
+        m = tokens * k
+        active = _active_experts(tokens, e, k)
+        up = tiling.choose_tiling(m, h, 2 * i, e, lhs_itemsize=2, rhs_itemsize=2, out_itemsize=4,
+                                  generation=generation)
+        down = tiling.choose_tiling(m, i, h, e, lhs_itemsize=2, rhs_itemsize=2, out_itemsize=4,
+                                    generation=generation)
+        # Rows padded to whole tiles (the fused kernel's tile is never larger).
+        padded_rows = active * -(-(m / active) // up.tm) * up.tm
+        flops = 2 * padded_rows * 3 * i * h
+        weights = active * 3 * i * h * 2
+
+        def seconds(nbytes, nflops):
+            return max(nbytes / V6E_HBM_BYTES_PER_S, nflops / V6E_BF16_FLOPS)
+
+        fused_bytes = weights + m * h * 2 + m * h * 4
+        unfused_up = active * 2 * i * h * 2 + m * h * 2 * -(-2 * i // up.tn) + m * 2 * i * 4
+        gate = m * 2 * i * 4 + m * i * 2
+        unfused_down = active * i * h * 2 + m * i * 2 * -(-h // down.tn) + m * h * 4
+        fused_s = seconds(fused_bytes, flops)
+        unfused_s = (seconds(unfused_up, 2 * padded_rows * 2 * i * h) + gate / V6E_HBM_BYTES_PER_S
+                     + seconds(unfused_down, 2 * padded_rows * i * h))
+        fused_tm = pallas_fused_experts.fused_row_tile("glu_silu", "nk", m, h, i, e, 2, generation)
+        rows.append({"model": name, "tokens": tokens, "tm (matmuls / fused)": f"{up.tm} / {fused_tm}",
+                     "fused MB": fused_bytes / 1e6, "two matmuls MB": (unfused_up + gate + unfused_down) / 1e6,
+                     "fused us": fused_s * 1e6, "two matmuls us": unfused_s * 1e6,
+                     "two matmuls / fused": unfused_s / fused_s,
+                     "rule picks": "fused" if fused_tm else "two matmuls"})
+    return rows
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in rows if r["model"] == model]
+        for peer in PEERS:
+            points = [(r["tokens"], r[peer]) for r in mine if isinstance(r.get(peer), float)]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=peer)
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("peer time / our time (>1: ours faster)")
+        ax.set_title(f"{model} experts layer, bf16, CPU")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main():
-    args = parse_args([1, 16, 64, 256, 512], 3)
+    args = parse_args([1, 16, 64, 256, 512, 1024, 4096], 5)
     cpu = cpu_rows(args.tokens, args.repeats)
     tpu = tpu_decode_bytes([1, 8, 64])
+    fused = tpu_fused_vs_unfused([1, 8, 64, 256, 512, 1024, 4096])
     write_report(
         args.out, "experts.md", "MoE experts layer benchmark",
         f"One experts layer, bf16, {torch.get_num_threads()} CPU threads, median of interleaved runs, no grad. "
         "Columns after `ours_ms` are peer time / our time (>1: ours faster).",
-        [(None, cpu), ("TPU v6e on paper: HBM bytes per experts forward vs the minimum", tpu)],
+        [(None, cpu), ("TPU v6e on paper: HBM bytes per experts forward vs the minimum", tpu),
+         ("TPU v6e on paper: fused experts kernel vs two grouped matmuls (roofline model)", fused)],
     )
+    plot(cpu, pathlib.Path(args.out) / "experts.png")
 
 
 if __name__ == "__main__":

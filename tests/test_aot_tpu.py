@@ -71,7 +71,7 @@ def _experts_specs(spec, tokens, model=QWEN, dtype=jnp.bfloat16):
 
 
 @pytest.mark.parametrize("fused_kernel", [True, False], ids=["fused-kernel", "two-matmuls"])
-@pytest.mark.parametrize("tokens", [1, 64, 512])
+@pytest.mark.parametrize("tokens", [1, 64, 512, 4096])
 def test_experts_program_compiles_for_v6e(tokens, fused_kernel):
     import jax
 
@@ -79,9 +79,12 @@ def test_experts_program_compiles_for_v6e(tokens, fused_kernel):
 
     spec = aot._spec(aot.tpu_device("v6e"))
     specs = _experts_specs(spec, tokens)
-    rule = experts_jax.use_fused_kernel(tokens * QWEN["top_k"], specs[3], specs[4], None, None,
-                                        "glu_silu", "nk", "v6e")
-    assert rule  # Qwen3-30B-A3B experts fit whole in v6e VMEM: the rule picks the fused kernel
+    tm = experts_jax.fused_kernel_row_tile(tokens * QWEN["top_k"], specs[3], specs[4], None, None,
+                                           "glu_silu", "nk", "v6e")
+    # Qwen3-30B-A3B experts fit whole in v6e VMEM: the rule picks the fused
+    # kernel at every token count, with a smaller row tile than the grouped
+    # matmul's (256) in prefill so the working set fits.
+    assert tm == {1: 16, 64: 16, 512: 32, 4096: 128}[tokens]
     fn = jax.jit(lambda *a: experts_jax.experts_forward(
         *a, gate="glu_silu", fused=fused_kernel, generation="v6e"))
     compiled = fn.lower(*specs).compile()
@@ -94,8 +97,8 @@ def test_fused_kernel_rule_refuses_gpt_oss_experts():
     spec = aot._spec(aot.tpu_device("v6e"))
     e, h, i = GPT_OSS["experts"], GPT_OSS["hidden"], GPT_OSS["inter"]
     up, down = spec((e, 2 * i, h), jnp.bfloat16), spec((e, h, i), jnp.bfloat16)
-    assert not experts_jax.use_fused_kernel(256, up, down, None, None, "glu_silu", "nk", "v6e")  # 33 MB/expert
-    assert not experts_jax.use_fused_kernel(256, up, down, None, None, "gpt_oss", "nk", "v6e")
+    assert experts_jax.fused_kernel_row_tile(256, up, down, None, None, "glu_silu", "nk", "v6e") is None  # 33 MB
+    assert experts_jax.fused_kernel_row_tile(256, up, down, None, None, "gpt_oss", "nk", "v6e") is None
 
 
 def test_fused_experts_program_traces_once_per_shape():

@@ -5,13 +5,16 @@ routing (sort by expert, rows per expert by counting) -> grouped matmul
 weights -> combine. Every shape is static: one compiled program per
 (tokens, top_k, weights) shape, no host sync, decode steps never recompile.
 
-Two ways through the matmuls, chosen by ``use_fused_kernel``: the fused
-Pallas kernel (``pallas_fused_experts``: gate_up -> gate -> down per row
-tile, the intermediate never written to HBM, each active expert read once)
-when the gate is a GLU on concatenated "nk" weights without biases and a
-whole expert fits the generation's VMEM budget (Qwen3-30B-A3B, Mixtral-size
-experts of a few MB); otherwise two grouped matmuls with the gate between
-them (gpt-oss: interleaved, biased, 33 MB experts).
+Two ways through the matmuls, chosen by ``fused_kernel_row_tile``: the
+fused Pallas kernel (``pallas_fused_experts``: gate_up -> gate -> down per
+row tile, the intermediate never written to HBM, each active expert read
+once) when the gate is a GLU on concatenated "nk" weights without biases
+and a whole expert fits the generation's VMEM budget with some row tile
+(Qwen3-30B-A3B, Mixtral-size experts of a few MB); otherwise two grouped
+matmuls with the gate between them (gpt-oss: interleaved, biased, 33 MB
+experts). Where both apply the fused kernel never moves more bytes and does
+the same MXU work, so it is always the one taken (the roofline model in
+bench/bench_experts.py: equal at decode, 1.1x at 1024 tokens, 1.4x at 4096).
 
 The gate is named, not traced from the module, because a JAX program cannot
 call the module's torch code: ``gate_of_module`` maps the module to a name
@@ -23,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import pallas_fused_experts, pallas_gmm, tiling
+from . import pallas_fused_experts, pallas_gmm
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -77,13 +80,14 @@ def experts_forward(
     safe_ids = jnp.minimum(sorted_ids, num_experts - 1)
 
     x = hidden_states[order // top_k].astype(up_weight.dtype)
+    fused_tm = fused_kernel_row_tile(x.shape[0], up_weight, down_weight, up_bias, down_bias,
+                                     gate, rhs_layout, generation)
     if fused is None:
-        fused = use_fused_kernel(x.shape[0], up_weight, down_weight, up_bias, down_bias,
-                                 gate, rhs_layout, generation)
+        fused = fused_tm is not None
     if fused:
         out = pallas_fused_experts.fused_glu_experts(
             x, up_weight, down_weight, group_sizes, gate=gate, out_dtype=jnp.float32,
-            generation=generation, interpret=interpret)
+            tm=fused_tm, generation=generation, interpret=interpret)
         return _combine(out, order, remote, top_k_weights, num_tokens, top_k, hidden, hidden_states.dtype)
     h = pallas_gmm.gmm(x, up_weight, group_sizes, rhs_layout=rhs_layout,
                        out_dtype=jnp.float32, interpret=interpret)
@@ -97,15 +101,14 @@ def experts_forward(
     return _combine(out, order, remote, top_k_weights, num_tokens, top_k, hidden, hidden_states.dtype)
 
 
-def use_fused_kernel(m, up_weight, down_weight, up_bias, down_bias, gate, rhs_layout, generation):
-    """The documented rule of the module docstring."""
+def fused_kernel_row_tile(m, up_weight, down_weight, up_bias, down_bias, gate, rhs_layout, generation):
+    """The documented rule of the module docstring: the fused kernel's row
+    tile, or None when the two grouped matmuls must be used."""
     if up_bias is not None or down_bias is not None or up_weight.dtype != down_weight.dtype:
-        return False
+        return None
     num_experts, two_inter, hidden = up_weight.shape
-    itemsize = up_weight.dtype.itemsize
-    tm = tiling.choose_tiling(m, hidden, two_inter, num_experts, lhs_itemsize=itemsize,
-                              rhs_itemsize=itemsize, out_itemsize=4, generation=generation).tm
-    return pallas_fused_experts.fits(gate, rhs_layout, tm, hidden, two_inter // 2, itemsize, generation)
+    return pallas_fused_experts.fused_row_tile(gate, rhs_layout, m, hidden, two_inter // 2, num_experts,
+                                               up_weight.dtype.itemsize, generation)
 
 
 def _combine(out, order, remote, top_k_weights, num_tokens, top_k, hidden, dtype):

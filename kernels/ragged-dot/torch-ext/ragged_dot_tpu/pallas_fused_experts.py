@@ -6,11 +6,14 @@ VMEM (gate rows, up rows and down of ``g``) and writes only the final
 Consecutive visits of one expert reuse its weight blocks (same block
 index), so every active expert's weights are read exactly once.
 
-When it is used (``fits``): weights in the "nk" layout (``gate_up
+When it is used (``fused_row_tile``): weights in the "nk" layout (``gate_up
 [E, 2I, H]`` with gate then up halves, ``down [E, H, I]``), a named GLU gate,
 and the double-buffered expert plus tiles within the generation's VMEM
-budget. Qwen3-30B-A3B (I=768, H=2048, bf16: 9.4 MB per expert) fits;
-gpt-oss-20b (I=2880, interleaved) does not and takes the unfused path.
+budget. The row tile starts from the grouped matmul's rule (``tiling.py``)
+and is halved, down to the sublane minimum, until the working set fits, so
+prefill keeps the fused kernel too (Qwen3 at 4096 tokens: tm 256 -> 128).
+Qwen3-30B-A3B (I=768, H=2048, bf16: 9.4 MB per expert) fits; gpt-oss-20b
+(I=2880, interleaved) does not and takes the unfused path.
 Row visits and segment masking are the ones of ``pallas_gmm``.
 """
 
@@ -32,14 +35,22 @@ def working_set_bytes(tm: int, hidden: int, inter: int, itemsize: int) -> int:
     return 2 * (weights + tiles) + tm * hidden * 4 + tm * 2 * inter * 4
 
 
-def fits(gate: str, rhs_layout: str, tm: int, hidden: int, inter: int, itemsize: int,
-         generation: str | None) -> bool:
+def fused_row_tile(gate: str, rhs_layout: str, m: int, hidden: int, inter: int, num_experts: int,
+                   itemsize: int, generation: str | None) -> int | None:
+    """Rows per tile for the fused kernel, or None where it cannot be used."""
     if not gate.startswith("glu_") or rhs_layout != "nk":
-        return False
-    if inter % tiling_lib.sublane(itemsize):  # gate / up halves are row blocks of gate_up
-        return False
+        return None
+    min_rows = tiling_lib.sublane(itemsize)
+    if inter % min_rows:  # gate / up halves are row blocks of gate_up
+        return None
+    tm = tiling_lib.choose_tiling(max(m, 1), hidden, 2 * inter, num_experts, lhs_itemsize=itemsize,
+                                  rhs_itemsize=itemsize, out_itemsize=4, generation=generation).tm
     budget = tiling_lib.get_generation(generation).vmem_budget
-    return working_set_bytes(tm, hidden, inter, itemsize) <= budget
+    while working_set_bytes(tm, hidden, inter, itemsize) > budget:
+        if tm <= min_rows:
+            return None
+        tm = max(min_rows, tm // 2)
+    return tm
 
 
 def _kernel(seg_ref, tile_ref, seg_start_ref, seg_end_ref,
