@@ -11,8 +11,11 @@ forward moves, from the tiling the kernel picks, against the minimum (each
 active expert's weights read once), and a roofline model of the fused
 experts kernel against the two grouped matmuls at every token count.
 
-Usage: python bench/bench_experts.py [--tokens 1 16 64 256 512 1024 4096] [--out bench/results]
-Writes bench/results/experts.md and experts.png.
+Usage: python bench/bench_experts.py [--tokens 1 16 64 256 512 1024 4096] [--repeats 5]
+       [--min-seconds 4] [--chunk-sweep] [--out bench/results]
+Writes bench/results/experts.md and experts.png. ``--chunk-sweep`` adds the
+measurement behind the CPU chunk rule (``experts.CPU_CHUNK_BYTES``): our CPU
+path at the largest token count with several rows per chunk.
 """
 
 from __future__ import annotations
@@ -61,7 +64,14 @@ def _experts(name):
     return module.to(torch.bfloat16).eval(), config
 
 
-def cpu_rows(tokens_list, repeats):
+def _routing(tokens, num_experts, top_k, hidden_size, gen):
+    hidden = torch.randn(tokens, hidden_size, generator=gen).bfloat16()
+    index = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen).bfloat16()
+    return hidden, index, weights
+
+
+def cpu_rows(tokens_list, repeats, min_seconds):
     rows = []
     gen = torch.Generator().manual_seed(0)
     for name in MODELS:
@@ -75,9 +85,7 @@ def cpu_rows(tokens_list, repeats):
             "batched_mm": lambda h, i, w: ALL_EXPERTS_FUNCTIONS["batched_mm"](module, h, i, w),
         }
         for tokens in tokens_list:
-            hidden = torch.randn(tokens, config.hidden_size, generator=gen).bfloat16()
-            index = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)])
-            weights = torch.rand(tokens, top_k, generator=gen).bfloat16()
+            hidden, index, weights = _routing(tokens, num_experts, top_k, config.hidden_size, gen)
             fns = {"ours": lambda: ragged_dot_tpu.experts_forward(module, hidden, index, weights)}
             row = {"model": name, "tokens": tokens}
             for peer, fn in impls.items():
@@ -86,13 +94,37 @@ def cpu_rows(tokens_list, repeats):
                 else:
                     fns[peer] = functools.partial(fn, hidden, index, weights)
             with torch.no_grad():
-                times = time_interleaved(fns, repeats)
+                times = time_interleaved(fns, repeats, min_seconds * len(fns))
             row["ours_ms"] = times["ours"] * 1e3
             row.update({peer: times[peer] / times["ours"] for peer in fns if peer != "ours"})
             row["fastest built-in"] = min(times[p] for p in fns if p != "ours") / times["ours"]
             row = {k: row[k] for k in ["model", "tokens", "ours_ms", *impls, "fastest built-in"] if k in row}
             rows.append(row)
             print(row, flush=True)
+    return rows
+
+
+def chunk_sweep(tokens, repeats, rows_options=(128, 256, 512, 1024, 2048, 4096)):
+    """Our CPU path at ``tokens`` with several chunk sizes, and the rule's own choice."""
+    rows = []
+    gen = torch.Generator().manual_seed(1)
+    for name in MODELS:
+        module, config = _experts(name)
+        hidden, index, weights = _routing(tokens, module.num_experts, config.num_experts_per_tok,
+                                          config.hidden_size, gen)
+        rule = ragged_dot_tpu.experts.cpu_chunk_rows(module, 2)
+        fns = {f"{r} rows": functools.partial(ragged_dot_tpu.experts.cpu_inference_forward, module,
+                                              hidden, index, weights, chunk_rows=r)
+               for r in rows_options}
+        fns["rule"] = functools.partial(ragged_dot_tpu.experts.cpu_inference_forward, module,
+                                        hidden, index, weights, chunk_rows=rule)
+        with torch.no_grad():
+            times = time_interleaved(fns, repeats)
+        row = {"model": name, "tokens": tokens, "rows per expert": tokens * config.num_experts_per_tok
+               / module.num_experts, "rule (rows)": rule}
+        row.update({k: v * 1e3 for k, v in times.items()})
+        rows.append(row)
+        print(row, flush=True)
     return rows
 
 
@@ -207,16 +239,21 @@ def plot(rows, path):
 
 
 def main():
-    args = parse_args([1, 16, 64, 256, 512, 1024, 4096], 5)
-    cpu = cpu_rows(args.tokens, args.repeats)
+    args = parse_args([1, 16, 64, 256, 512, 1024, 4096], 5, 4.0,
+                      flags=[("chunk-sweep", "also time the CPU path with several rows per chunk")])
+    cpu = cpu_rows(args.tokens, args.repeats, args.min_seconds)
+    sweep = chunk_sweep(max(args.tokens), args.repeats) if args.chunk_sweep else []
     tpu = tpu_decode_bytes([1, 8, 64])
     fused = tpu_fused_vs_unfused([1, 8, 64, 256, 512, 1024, 4096])
     write_report(
         args.out, "experts.md", "MoE experts layer benchmark",
-        f"One experts layer, bf16, {torch.get_num_threads()} CPU threads, median of interleaved runs, no grad. "
-        "Columns after `ours_ms` are peer time / our time (>1: ours faster).",
+        f"One experts layer, bf16, {torch.get_num_threads()} CPU threads, median of interleaved rounds "
+        f"(at least {args.repeats}, and at least {args.min_seconds:g} s per contender), no grad, "
+        "the same routing for every contender. Columns after `ours_ms` are peer time / our time "
+        "(>1: ours faster); `fastest built-in` is the best of them. Plot: experts.png.",
         [(None, cpu), ("TPU v6e on paper: HBM bytes per experts forward vs the minimum", tpu),
-         ("TPU v6e on paper: fused experts kernel vs two grouped matmuls (roofline model)", fused)],
+         ("TPU v6e on paper: fused experts kernel vs two grouped matmuls (roofline model)", fused)]
+        + ([("CPU chunk rule: our CPU path (ms) by rows per chunk", sweep)] if sweep else []),
     )
     plot(cpu, pathlib.Path(args.out) / "experts.png")
 

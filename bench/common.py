@@ -10,18 +10,27 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def time_interleaved(fns: dict, repeats: int) -> dict:
+def time_interleaved(fns: dict, repeats: int, min_seconds: float = 0.0) -> dict:
     """Median seconds per callable, timed in alternating rounds (one call of
     each per round, after one warm-up each), so that a slow spell of a noisy
-    host hits every contender alike instead of one of them."""
+    host hits every contender alike instead of one of them. The order rotates
+    every round, so no contender always runs right after the same other one
+    (what the previous call left in the caches matters for memory-bound
+    calls). Rounds continue past ``repeats`` until ``min_seconds`` have been
+    spent, so that fast calls get enough samples for a stable median."""
+    names = list(fns)
     for fn in fns.values():
         fn()
     samples = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    start_all = time.perf_counter()
+    rounds = 0
+    while rounds < repeats or (time.perf_counter() - start_all < min_seconds and rounds < 50 * repeats):
+        for i in range(len(names)):
+            name = names[(rounds + i) % len(names)]
             start = time.perf_counter()
-            fn()
+            fns[name]()
             samples[name].append(time.perf_counter() - start)
+        rounds += 1
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
@@ -34,11 +43,16 @@ def markdown(rows, float_fmt="{:.2f}") -> str:
     return "\n".join(lines)
 
 
-def parse_args(default_tokens, default_repeats):
+def parse_args(default_tokens, default_repeats, default_min_seconds=0.0, flags=()):
+    """``flags``: (name, help) pairs of extra on/off options."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=default_tokens)
     parser.add_argument("--repeats", type=int, default=default_repeats)
+    parser.add_argument("--min-seconds", type=float, default=default_min_seconds,
+                        help="keep timing rounds until this long has been spent per table cell")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    for name, help_text in flags:
+        parser.add_argument(f"--{name}", action="store_true", help=help_text)
     return parser.parse_args()
 
 

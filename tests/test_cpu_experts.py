@@ -200,3 +200,16 @@ def test_dispatch_inference_chunked_training_composed(monkeypatch):
     experts.experts_forward(module, hidden.requires_grad_(), index, weights)
     assert taken == ["chunked", "composed", "composed"]
 
+
+
+def test_tpu_falls_back_to_composed_with_a_warning_for_what_the_program_cannot_express():
+    qwen, muse, nemotron = _experts("qwen3_moe"), _experts("muse_spark"), _experts("nemotron_h")
+    assert experts.choose_path(qwen, "tpu", needs_grad=False, compiling=False) == "tpu_program"
+    assert experts.choose_path(qwen, "tpu", needs_grad=True, compiling=False) == "composed"
+    experts._WARNED_FALLBACK.clear()
+    with pytest.warns(UserWarning, match="post-expert norm of MuseSparkExperts"):
+        assert experts.choose_path(muse, "tpu", needs_grad=False, compiling=False) == "composed"
+    with pytest.warns(UserWarning, match="activation ReLUSquaredActivation"):
+        assert experts.choose_path(nemotron, "tpu", needs_grad=False, compiling=False) == "composed"
+    assert experts.choose_path(muse, "cpu", needs_grad=False, compiling=False) == "cpu_chunked"
+    assert experts.choose_path(muse, "cpu", needs_grad=False, compiling=True) == "composed"

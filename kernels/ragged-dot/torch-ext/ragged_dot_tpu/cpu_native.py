@@ -149,8 +149,10 @@ def plan_row_chunks(sizes: list[int], max_rows: int) -> list[RowChunk]:
     """Cuts the sorted rows into chunks of at most ``max_rows`` rows.
 
     Whole experts are packed greedily (so each expert's weights are read once
-    per forward); an expert with more than ``max_rows`` rows is split into
-    pieces of ``max_rows``. Empty experts at the edges of a chunk are left out.
+    per forward); an expert with more than ``max_rows`` rows is split into the
+    fewest pieces of at most ``max_rows``, of equal size (+-1), so that no
+    piece is a small, inefficient matmul. Empty experts at the edges of a
+    chunk are left out.
     """
     if max_rows < 1:
         raise ValueError(f"plan_row_chunks: max_rows must be >= 1, got {max_rows}")
@@ -174,9 +176,12 @@ def plan_row_chunks(sizes: list[int], max_rows: int) -> list[RowChunk]:
         if open_first is not None and sum(open_sizes) + size > max_rows:
             close()
         if size > max_rows:
-            for piece_start in range(0, size, max_rows):
-                piece = min(max_rows, size - piece_start)
-                chunks.append(RowChunk(row + piece_start, row + piece_start + piece, expert, [piece]))
+            pieces = -(-size // max_rows)  # balanced: 560 rows at max 546 -> 280 + 280, not 546 + 14
+            piece_start = row
+            for p in range(pieces):
+                piece = size // pieces + (p < size % pieces)
+                chunks.append(RowChunk(piece_start, piece_start + piece, expert, [piece]))
+                piece_start += piece
         else:
             if open_first is None:
                 open_first, open_start = expert, row

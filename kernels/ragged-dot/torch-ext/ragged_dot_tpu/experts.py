@@ -18,15 +18,20 @@ remote expert sort to the tail, past ``sum(group_sizes)``, where
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from . import cpu_native, jax_bridge
 from .ops import _needs_grad, ragged_dot, register_tpu_ops
 
-# The CPU chunk rule (``cpu_chunk_rows``): about half this host's L3, and a
-# floor under which BLAS matmuls lose their efficiency. Measured in
-# bench/bench_experts.py (--chunk-sweep).
-CPU_CHUNK_BYTES = 8 << 20
+# The CPU chunk rule (``cpu_chunk_rows``): one chunk's activations within
+# about an L3 cache (32 MiB on the benchmark host), and a floor under which
+# BLAS matmuls lose their efficiency. Measured (python bench/bench_experts.py
+# --chunk-sweep): gpt-oss-20b at 4096 tokens (~512 rows per expert) took
+# 1505 / 1301 / 1453 / 1725 ms with 182 / 600 / 1200 / 4096-row chunks;
+# Qwen3-30B-A3B was flat from 256 to 4096 rows.
+CPU_CHUNK_BYTES = 32 << 20
 CPU_MIN_CHUNK_ROWS = 128
 
 _GELU_TANH = {"GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "GELUPytorchTanh"}
@@ -122,17 +127,45 @@ def fused_experts_forward_interpret(self, hidden_states, top_k_index, top_k_weig
     return jax_bridge.to_torch(out)
 
 
+def choose_path(self, device_type: str, needs_grad: bool, compiling: bool) -> str:
+    """Which implementation ``experts_forward`` runs:
+
+    * ``"tpu_program"``: TPU inference, the whole layer as one jax_op;
+    * ``"cpu_chunked"``: CPU eager inference (``cpu_inference_forward``);
+    * ``"composed"``: everything else (gradients, ``torch.compile``), and TPU
+      layers whose gate or norm the fused program cannot express: those run
+      the module's own code between grouped matmul ops, with a warning.
+    """
+    if device_type == "tpu" and not needs_grad:
+        try:
+            _fused_args(self)
+        except NotImplementedError as e:
+            key = type(self).__qualname__
+            if key not in _WARNED_FALLBACK:
+                _WARNED_FALLBACK.add(key)
+                warnings.warn(f"{e}; running the module's own code between grouped matmul ops instead",
+                              stacklevel=3)
+            return "composed"
+        return "tpu_program"
+    if device_type == "cpu" and not needs_grad and not compiling:
+        return "cpu_chunked"
+    return "composed"
+
+
+_WARNED_FALLBACK: set[str] = set()
+
+
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    """Transformers experts function. Inference: one fused jax_op on TPU, the
-    chunked path on CPU; with gradients or under ``torch.compile``: grouped
-    matmul ops with autograd and fake kernels."""
-    needs_grad = _needs_grad(hidden_states, top_k_weights, *self.parameters())
-    if hidden_states.device.type == "tpu" and not needs_grad:
+    """Transformers experts function; ``choose_path`` says which implementation runs."""
+    path = choose_path(self, hidden_states.device.type,
+                       _needs_grad(hidden_states, top_k_weights, *self.parameters()),
+                       torch.compiler.is_compiling())
+    if path == "tpu_program":
         up, down, up_bias, down_bias, gate, alpha, limit, layout = _fused_args(self)
         op = register_tpu_ops()["experts"]
         return op(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), up, down,
                   up_bias, down_bias, gate, alpha, limit, layout)
-    if hidden_states.device.type == "cpu" and not needs_grad and not torch.compiler.is_compiling():
+    if path == "cpu_chunked":
         return cpu_inference_forward(self, hidden_states, top_k_index, top_k_weights)
     return composed_experts_forward(self, hidden_states, top_k_index, top_k_weights)
 
@@ -191,7 +224,7 @@ def cpu_inference_forward(self, hidden_states, top_k_index, top_k_weights, *, ch
     layout = _layout(self)
     sorted_ids, order, group_sizes = route(top_k_index, self.num_experts)
     token_of_row = order // top_k
-    row_weights = top_k_weights.reshape(-1)[order]
+    row_weights = top_k_weights.reshape(-1)[order].to(torch.float32).unsqueeze(-1)
     out = torch.zeros(num_tokens, hidden, dtype=torch.float32)
     compute_dtype = (self.gate_up_proj if getattr(self, "has_gate", True) else self.up_proj).dtype
     chunk_rows = chunk_rows or cpu_chunk_rows(self, compute_dtype.itemsize)
@@ -205,6 +238,5 @@ def cpu_inference_forward(self, hidden_states, top_k_index, top_k_weights, *, ch
 
         tokens = token_of_row[rows]
         y = _expert_mlp(self, hidden_states[tokens], project)
-        y = y * row_weights[rows].to(y.dtype).unsqueeze(-1)
-        out.index_add_(0, tokens, y.to(torch.float32))
+        out.index_add_(0, tokens, y * row_weights[rows])  # f32 product: one pass, no bf16 rounding
     return out.to(hidden_states.dtype)
