@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "kernels" / "ragged-dot" / "torch-ext"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import ragged_dot_tpu  # noqa: E402
-from common import parse_args, time_interleaved, write_report  # noqa: E402
+from common import evict_caches, parse_args, time_interleaved, write_report  # noqa: E402
 from ragged_dot_tpu import pallas_fused_experts, tiling  # noqa: E402
 
 MODELS = {
@@ -94,7 +94,7 @@ def cpu_rows(tokens_list, repeats, min_seconds):
                 else:
                     fns[peer] = functools.partial(fn, hidden, index, weights)
             with torch.no_grad():
-                times = time_interleaved(fns, repeats, min_seconds * len(fns))
+                times = time_interleaved(fns, repeats, min_seconds * len(fns), before_each=evict_caches)
             row["ours_ms"] = times["ours"] * 1e3
             row.update({peer: times[peer] / times["ours"] for peer in fns if peer != "ours"})
             row["fastest built-in"] = min(times[p] for p in fns if p != "ours") / times["ours"]
@@ -119,7 +119,7 @@ def chunk_sweep(tokens, repeats, rows_options=(128, 256, 512, 1024, 2048, 4096))
         fns["rule"] = functools.partial(ragged_dot_tpu.experts.cpu_inference_forward, module,
                                         hidden, index, weights, chunk_rows=rule)
         with torch.no_grad():
-            times = time_interleaved(fns, repeats)
+            times = time_interleaved(fns, repeats, before_each=evict_caches)
         row = {"model": name, "tokens": tokens, "rows per expert": tokens * config.num_experts_per_tok
                / module.num_experts, "rule (rows)": rule}
         row.update({k: v * 1e3 for k, v in times.items()})
@@ -249,6 +249,7 @@ def main():
         args.out, "experts.md", "MoE experts layer benchmark",
         f"One experts layer, bf16, {torch.get_num_threads()} CPU threads, median of interleaved rounds "
         f"(at least {args.repeats}, and at least {args.min_seconds:g} s per contender), no grad, "
+        "caches evicted before every call (weights come from DRAM, as in a real decode step), "
         "the same routing for every contender. Columns after `ours_ms` are peer time / our time "
         "(>1: ours faster); `fastest built-in` is the best of them. Plot: experts.png.",
         [(None, cpu), ("TPU v6e on paper: HBM bytes per experts forward vs the minimum", tpu),

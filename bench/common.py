@@ -10,26 +10,46 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def time_interleaved(fns: dict, repeats: int, min_seconds: float = 0.0) -> dict:
+_EVICT_BYTES = 128 << 20  # several times any L3 cache here
+_evict_buffer = None
+
+
+def evict_caches() -> None:
+    """Streams through a buffer much larger than the L3 cache, so that the
+    next call finds its weights in DRAM, as a decode step of a real model
+    does (each layer's experts are other weights), whatever ran before it."""
+    global _evict_buffer
+    if _evict_buffer is None:
+        import torch
+
+        _evict_buffer = torch.zeros(_EVICT_BYTES, dtype=torch.uint8)
+    _evict_buffer.add_(1)
+
+
+def time_interleaved(fns: dict, repeats: int, min_seconds: float = 0.0, before_each=None) -> dict:
     """Median seconds per callable, timed in alternating rounds (one call of
     each per round, after one warm-up each), so that a slow spell of a noisy
     host hits every contender alike instead of one of them. The order rotates
     every round, so no contender always runs right after the same other one
     (what the previous call left in the caches matters for memory-bound
     calls). Rounds continue past ``repeats`` until ``min_seconds`` have been
-    spent, so that fast calls get enough samples for a stable median."""
+    spent, so that fast calls get enough samples for a stable median.
+    ``before_each`` (untimed) runs before every timed call, e.g. ``evict_caches``."""
     names = list(fns)
     for fn in fns.values():
         fn()
     samples = {name: [] for name in fns}
-    start_all = time.perf_counter()
+    timed = 0.0
     rounds = 0
-    while rounds < repeats or (time.perf_counter() - start_all < min_seconds and rounds < 50 * repeats):
+    while rounds < repeats or (timed < min_seconds and rounds < 50 * repeats):
         for i in range(len(names)):
             name = names[(rounds + i) % len(names)]
+            if before_each is not None:
+                before_each()
             start = time.perf_counter()
             fns[name]()
             samples[name].append(time.perf_counter() - start)
+            timed += samples[name][-1]
         rounds += 1
     return {name: statistics.median(s) for name, s in samples.items()}
 

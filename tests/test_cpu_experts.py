@@ -7,9 +7,9 @@ import os
 import numpy as np
 import pytest
 import torch
-from transformers import AutoConfig, PretrainedConfig
 
 import reference
+import tiny_experts
 import ragged_dot_tpu
 from ragged_dot_tpu import cpu_native, experts
 
@@ -93,35 +93,11 @@ def test_ragged_dot_native_writes_every_row(poisoned_outputs):
 # The chunked experts forward against the module's own eager loop
 # ----------------------------------------------------------------------------
 
-MODULES = {
-    "qwen3_moe": ("transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts",
-                  dict(model_type="qwen3_moe", hidden_size=32, moe_intermediate_size=24, num_experts=9)),
-    "gpt_oss": ("transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts",  # transposed, biased
-                dict(model_type="gpt_oss", hidden_size=32, intermediate_size=24, num_local_experts=7)),
-    "nemotron_h": ("transformers.models.nemotron_h.modeling_nemotron_h.NemotronHExperts",  # no gate
-                   dict(n_routed_experts=6, hidden_size=32, moe_intermediate_size=24, moe_latent_size=None,
-                        mlp_hidden_act="relu2")),
-    "muse_spark": ("transformers.models.muse_spark.modeling_muse_spark.MuseSparkExperts",  # post norm
-                   dict(num_local_experts=6, moe_hidden_size=32, moe_intermediate_size=24, hidden_act="silu",
-                        post_norm_eps=1e-6)),
-}
+MODULES = tiny_experts.MODULES
 
 
 def _experts(kind, dtype=torch.float32):
-    import importlib
-
-    cls_path, cfg = MODULES[kind]
-    module_name, cls_name = cls_path.rsplit(".", 1)
-    cls = getattr(importlib.import_module(module_name), cls_name)
-    cfg = dict(cfg)
-    model_type = cfg.pop("model_type", None)
-    config = AutoConfig.for_model(model_type, **cfg) if model_type else PretrainedConfig(**cfg)
-    torch.manual_seed(SEED)
-    module = cls(config)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.normal_(0, 0.2)
-    return module.to(dtype).eval()
+    return tiny_experts.build(kind, SEED, dtype)
 
 
 def _routing(num_tokens, num_experts, top_k, gen, sentinels=False):

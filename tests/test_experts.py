@@ -7,6 +7,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 import ragged_dot_tpu
+import tiny_experts
 
 NAME = "ragged_dot_tpu_test"
 CALLS = []
@@ -136,36 +137,19 @@ def test_compiles_fullgraph_static():
                                ragged_dot_tpu.experts_forward(experts, hidden, index, weights))
 
 
-def _experts_module(cls_path, config):
-    import importlib
-
-    from transformers import PretrainedConfig
-
-    module_name, cls_name = cls_path.rsplit(".", 1)
-    cls = getattr(importlib.import_module(module_name), cls_name)
-    torch.manual_seed(7)
-    experts = cls(PretrainedConfig(**config))
-    with torch.no_grad():
-        for p in experts.parameters():
-            p.normal_(0, 0.2)
-    return experts
-
-
 LAYOUT_MODULES = {
-    "has_gate=False (NemotronH, relu2)": (
-        "transformers.models.nemotron_h.modeling_nemotron_h.NemotronHExperts",
-        dict(n_routed_experts=6, hidden_size=32, moe_intermediate_size=24, moe_latent_size=None,
-             mlp_hidden_act="relu2")),
-    "has_post_expert_norm=True (MuseSpark)": (
-        "transformers.models.muse_spark.modeling_muse_spark.MuseSparkExperts",
-        dict(num_local_experts=6, moe_hidden_size=32, moe_intermediate_size=24, hidden_act="silu",
-             post_norm_eps=1e-6)),
+    "has_gate=False (NemotronH, relu2)": "nemotron_h",
+    "has_post_expert_norm=True (MuseSpark)": "muse_spark",
 }
+
+
+def _experts_module(kind):
+    return tiny_experts.build(kind, seed=7)
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUT_MODULES))
 def test_other_expert_layouts_match_module_eager(name):
-    experts = _experts_module(*LAYOUT_MODULES[name])
+    experts = _experts_module(LAYOUT_MODULES[name])
     gen = torch.Generator().manual_seed(8)
     hidden = torch.randn(7, 32, generator=gen)
     index = torch.randint(0, 6, (7, 2), generator=gen)
@@ -178,10 +162,10 @@ def test_other_expert_layouts_match_module_eager(name):
 
 
 def test_fused_program_refuses_what_it_cannot_express():
-    nemotron = _experts_module(*LAYOUT_MODULES["has_gate=False (NemotronH, relu2)"])
+    nemotron = _experts_module("nemotron_h")
     with pytest.raises(NotImplementedError, match="activation ReLUSquaredActivation"):
         ragged_dot_tpu.experts.gate_of_module(nemotron)
-    muse = _experts_module(*LAYOUT_MODULES["has_post_expert_norm=True (MuseSpark)"])
+    muse = _experts_module("muse_spark")
     with pytest.raises(NotImplementedError, match="post-expert norm"):
         ragged_dot_tpu.experts._fused_args(muse)
 

@@ -14,6 +14,11 @@ sort by expert, group sizes by a scatter-add into ``E + 1`` bins (the last
 bin takes the expert-parallel sentinel ``E``), one gather back. Picks of a
 remote expert sort to the tail, past ``sum(group_sizes)``, where
 ``ragged_dot`` writes zeros, so they cost no matmul and add nothing.
+
+Three implementations of the same math, picked by ``choose_path``: the TPU
+program (one jax_op, ``experts_jax``), the chunked CPU inference path
+(``cpu_inference_forward``) and the composed path of torch ops with autograd
+and fake kernels (``composed_experts_forward``: training, ``torch.compile``).
 """
 
 from __future__ import annotations
