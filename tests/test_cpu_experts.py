@@ -189,3 +189,25 @@ def test_tpu_falls_back_to_composed_with_a_warning_for_what_the_program_cannot_e
         assert experts.choose_path(nemotron, "tpu", needs_grad=False, compiling=False) == "composed"
     assert experts.choose_path(muse, "cpu", needs_grad=False, compiling=False) == "cpu_chunked"
     assert experts.choose_path(muse, "cpu", needs_grad=False, compiling=True) == "composed"
+
+
+BAD_EXPERTS_INPUTS = [
+    ("hidden_states must be \\[tokens, 32\\]", lambda h, i, w: (h[:, :16], i, w)),
+    ("top_k_index must be \\[tokens=5, top_k\\]", lambda h, i, w: (h, i[:4], w)),
+    ("top_k_weights must have the shape", lambda h, i, w: (h, i, w[:, :1])),
+    ("top_k_index must hold integer expert ids", lambda h, i, w: (h, i.float(), w)),
+    ("top_k_weights must be floating point", lambda h, i, w: (h, i, i)),
+    ("expected ids in \\[0, 8\\], or 9", lambda h, i, w: (h, torch.where(i == i[0, 0], 10, i), w)),
+    ("holds expert ids in \\[-1", lambda h, i, w: (h, torch.where(i == i[0, 0], -1, i), w)),
+    ("one device", lambda h, i, w: (h, i, w.to("meta"))),
+]
+
+
+@pytest.mark.parametrize("message,make", BAD_EXPERTS_INPUTS, ids=[b[0][:30] for b in BAD_EXPERTS_INPUTS])
+def test_bad_experts_input_raises_clear_error(message, make):
+    module = _experts("qwen3_moe")  # 9 experts, hidden 32
+    gen = torch.Generator().manual_seed(SEED + 4)
+    index, weights = _routing(5, 9, 2, gen)
+    args = make(torch.randn(5, 32, generator=gen), index, weights)
+    with torch.no_grad(), pytest.raises(ValueError, match="experts_forward: .*" + message):
+        experts.experts_forward(module, *args)

@@ -27,7 +27,7 @@ import warnings
 
 import torch
 
-from . import cpu_native, jax_bridge
+from . import cpu_native, jax_bridge, validation
 from .ops import _needs_grad, ragged_dot, register_tpu_ops
 
 # The CPU chunk rule (``cpu_chunk_rows``): one chunk's activations within
@@ -76,6 +76,11 @@ def gate_of_module(module) -> tuple[str, float, float]:
 
 def _layout(self) -> str:
     return "kn" if getattr(self, "is_transposed", False) else "nk"
+
+
+def _hidden_size(self) -> int:
+    """H, the output features of ``down_proj`` (``[E, H, I]`` or transposed ``[E, I, H]``)."""
+    return self.down_proj.shape[-1] if getattr(self, "is_transposed", False) else self.down_proj.shape[-2]
 
 
 def route(top_k_index: torch.Tensor, num_experts: int):
@@ -162,9 +167,12 @@ _WARNED_FALLBACK: set[str] = set()
 
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """Transformers experts function; ``choose_path`` says which implementation runs."""
+    compiling = torch.compiler.is_compiling()
+    validation.check_experts_args(hidden_states, top_k_index, top_k_weights, self.num_experts,
+                                  _hidden_size(self), check_values=hidden_states.device.type == "cpu"
+                                  and not compiling)
     path = choose_path(self, hidden_states.device.type,
-                       _needs_grad(hidden_states, top_k_weights, *self.parameters()),
-                       torch.compiler.is_compiling())
+                       _needs_grad(hidden_states, top_k_weights, *self.parameters()), compiling)
     if path == "tpu_program":
         up, down, up_bias, down_bias, gate, alpha, limit, layout = _fused_args(self)
         op = register_tpu_ops()["experts"]
@@ -208,7 +216,7 @@ def cpu_chunk_rows(self, itemsize: int) -> int:
     activations (input, up, gate output, down, f32 copy for the sum) within
     ``CPU_CHUNK_BYTES``, and at least ``CPU_MIN_CHUNK_ROWS`` so each matmul
     stays large enough for BLAS to run near its peak."""
-    hidden = self.down_proj.shape[-1] if getattr(self, "is_transposed", False) else self.down_proj.shape[-2]
+    hidden = _hidden_size(self)
     up = self.gate_up_proj if getattr(self, "has_gate", True) else self.up_proj
     up_features = up.shape[-1] if getattr(self, "is_transposed", False) else up.shape[-2]
     per_row = itemsize * (2 * hidden + 2 * up_features) + 4 * hidden

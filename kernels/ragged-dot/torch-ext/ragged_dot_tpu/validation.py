@@ -92,3 +92,47 @@ def check_group_size_values(group_sizes: torch.Tensor, m: int) -> None:
     total = int(group_sizes.sum())
     if total > m:
         _fail(f"sum(group_sizes)={total} exceeds the {m} rows of lhs")
+
+
+# ----------------------------------------------------------------------------
+# experts_forward
+# ----------------------------------------------------------------------------
+
+
+def _fail_experts(message: str):
+    raise ValueError(f"experts_forward: {message}")
+
+
+def check_experts_args(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    num_experts: int,
+    hidden_size: int,
+    check_values: bool,
+) -> None:
+    """Shapes and dtypes always (they hold for fake tensors too); the expert
+    ids only where their values are on the host (``check_values``), as for
+    ``group_sizes`` above. Ids in ``[0, num_experts]`` are valid: ``num_experts``
+    is the expert-parallel sentinel of a pick owned by another rank."""
+    if hidden_states.dim() != 2 or hidden_states.shape[1] != hidden_size:
+        _fail_experts(f"hidden_states must be [tokens, {hidden_size}] (the module's hidden size), "
+                      f"got shape {tuple(hidden_states.shape)}")
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != hidden_states.shape[0]:
+        _fail_experts(f"top_k_index must be [tokens={hidden_states.shape[0]}, top_k], "
+                      f"got shape {tuple(top_k_index.shape)}")
+    if top_k_weights.shape != top_k_index.shape:
+        _fail_experts(f"top_k_weights must have the shape of top_k_index {tuple(top_k_index.shape)}, "
+                      f"got {tuple(top_k_weights.shape)}")
+    if top_k_index.dtype.is_floating_point or top_k_index.dtype.is_complex or top_k_index.dtype == torch.bool:
+        _fail_experts(f"top_k_index must hold integer expert ids, got {top_k_index.dtype}")
+    if not top_k_weights.dtype.is_floating_point:
+        _fail_experts(f"top_k_weights must be floating point, got {top_k_weights.dtype}")
+    devices = {hidden_states.device, top_k_index.device, top_k_weights.device}
+    if len(devices) != 1:
+        _fail_experts(f"hidden_states, top_k_index and top_k_weights must be on one device, got {devices}")
+    if check_values and top_k_index.numel():
+        low, high = top_k_index.min().item(), top_k_index.max().item()
+        if low < 0 or high > num_experts:
+            _fail_experts(f"top_k_index holds expert ids in [{low}, {high}]; expected ids in "
+                          f"[0, {num_experts - 1}], or {num_experts} for a pick of a remote expert")
