@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import pathlib
+import statistics
 import sys
 
 import torch
@@ -33,7 +34,7 @@ sys.path.insert(0, str(ROOT / "kernels" / "ragged-dot" / "torch-ext"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import ragged_dot_tpu  # noqa: E402
-from common import evict_caches, parse_args, time_interleaved, write_report  # noqa: E402
+from common import evict_caches, paired_ratio, parse_args, time_interleaved, time_rounds, write_report  # noqa: E402
 from ragged_dot_tpu import pallas_fused_experts, tiling  # noqa: E402
 
 MODELS = {
@@ -94,11 +95,12 @@ def cpu_rows(tokens_list, repeats, min_seconds):
                 else:
                     fns[peer] = functools.partial(fn, hidden, index, weights)
             with torch.no_grad():
-                times = time_interleaved(fns, repeats, min_seconds * len(fns), before_each=evict_caches)
-            row["ours_ms"] = times["ours"] * 1e3
-            row.update({peer: times[peer] / times["ours"] for peer in fns if peer != "ours"})
-            row["fastest built-in"] = min(times[p] for p in fns if p != "ours") / times["ours"]
-            row = {k: row[k] for k in ["model", "tokens", "ours_ms", *impls, "fastest built-in"] if k in row}
+                samples = time_rounds(fns, repeats, min_seconds * len(fns), before_each=evict_caches)
+            row["ours_ms"] = statistics.median(samples["ours"]) * 1e3
+            row.update({peer: paired_ratio(samples, peer) for peer in fns if peer != "ours"})
+            row["fastest built-in"] = min(row[p] for p in fns if p != "ours")
+            row["rounds"] = len(samples["ours"])
+            row = {k: row[k] for k in ["model", "tokens", "ours_ms", *impls, "fastest built-in", "rounds"] if k in row}
             rows.append(row)
             print(row, flush=True)
     return rows
@@ -247,11 +249,12 @@ def main():
     fused = tpu_fused_vs_unfused([1, 8, 64, 256, 512, 1024, 4096])
     write_report(
         args.out, "experts.md", "MoE experts layer benchmark",
-        f"One experts layer, bf16, {torch.get_num_threads()} CPU threads, median of interleaved rounds "
-        f"(at least {args.repeats}, and at least {args.min_seconds:g} s per contender), no grad, "
-        "caches evicted before every call (weights come from DRAM, as in a real decode step), "
-        "the same routing for every contender. Columns after `ours_ms` are peer time / our time "
-        "(>1: ours faster); `fastest built-in` is the best of them. Plot: experts.png.",
+        f"One experts layer, bf16, {torch.get_num_threads()} CPU threads, no grad, the same routing for "
+        "every contender, caches evicted before every call (weights come from DRAM, as in a real decode "
+        f"step). Contenders alternate in rounds (at least {args.repeats}, and at least "
+        f"{args.min_seconds:g} s per contender); `ours_ms` is our median. Columns after it are the median "
+        "over rounds of peer time / our time in the same round (>1: ours faster); `fastest built-in` is "
+        "the lowest of them. Plot: experts.png.",
         [(None, cpu), ("TPU v6e on paper: HBM bytes per experts forward vs the minimum", tpu),
          ("TPU v6e on paper: fused experts kernel vs two grouped matmuls (roofline model)", fused)]
         + ([("CPU chunk rule: our CPU path (ms) by rows per chunk", sweep)] if sweep else []),

@@ -27,7 +27,19 @@ def evict_caches() -> None:
 
 
 def time_interleaved(fns: dict, repeats: int, min_seconds: float = 0.0, before_each=None) -> dict:
-    """Median seconds per callable, timed in alternating rounds (one call of
+    """Median seconds per callable (see ``time_rounds``)."""
+    return {name: statistics.median(s) for name, s in time_rounds(fns, repeats, min_seconds, before_each).items()}
+
+
+def paired_ratio(samples: dict, peer: str, ours: str = "ours") -> float:
+    """Median over rounds of peer time / our time within the same round: a
+    slow spell of the host slows both calls of a round, so the per-round
+    ratio is steadier than the ratio of the two medians."""
+    return statistics.median(p / o for p, o in zip(samples[peer], samples[ours]))
+
+
+def time_rounds(fns: dict, repeats: int, min_seconds: float = 0.0, before_each=None) -> dict:
+    """Seconds per call of each callable, one list per callable, timed in alternating rounds (one call of
     each per round, after one warm-up each), so that a slow spell of a noisy
     host hits every contender alike instead of one of them. The order rotates
     every round, so no contender always runs right after the same other one
@@ -51,7 +63,7 @@ def time_interleaved(fns: dict, repeats: int, min_seconds: float = 0.0, before_e
             samples[name].append(time.perf_counter() - start)
             timed += samples[name][-1]
         rounds += 1
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return samples
 
 
 def markdown(rows, float_fmt="{:.2f}") -> str:
