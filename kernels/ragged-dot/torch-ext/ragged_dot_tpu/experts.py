@@ -32,10 +32,12 @@ from .ops import _needs_grad, ragged_dot, register_tpu_ops
 
 # The CPU chunk rule (``cpu_chunk_rows``): one chunk's activations within
 # about an L3 cache (32 MiB on the benchmark host), and a floor under which
-# BLAS matmuls lose their efficiency. Measured (python bench/bench_experts.py
-# --chunk-sweep): gpt-oss-20b at 4096 tokens (~512 rows per expert) took
-# 1505 / 1301 / 1453 / 1725 ms with 182 / 600 / 1200 / 4096-row chunks;
-# Qwen3-30B-A3B was flat from 256 to 4096 rows.
+# BLAS matmuls lose their efficiency. Measured with ``python
+# bench/bench_experts.py --chunk-sweep`` (4096 tokens, 128 to 4096 rows per
+# chunk): chunks far below an expert's rows (gpt-oss: 128 vs ~512) or far
+# above the cache (4096 rows) cost 15-50% more; between them the times are
+# within this host's +-10% noise, and the rule's size was the fastest in two
+# of three sweeps (bench/results/experts.md has the last one).
 CPU_CHUNK_BYTES = 32 << 20
 CPU_MIN_CHUNK_ROWS = 128
 
