@@ -18,6 +18,7 @@ Usage: python bench/bench_ragged_dot.py [--tokens 1 64 512] [--out bench/results
 from __future__ import annotations
 
 import pathlib
+import statistics
 import sys
 
 import torch
@@ -28,7 +29,7 @@ sys.path.insert(0, str(ROOT / "kernels" / "ragged-dot" / "torch-ext"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import ragged_dot_tpu  # noqa: E402
-from common import parse_args, time_interleaved, write_report  # noqa: E402
+from common import evict_caches, paired_ratio, parse_args, time_interleaved, time_rounds, write_report  # noqa: E402
 from ragged_dot_tpu import aot  # noqa: E402
 
 SHAPES = {  # (hidden, intermediate, experts, top_k)
@@ -71,7 +72,7 @@ def _peers(lhs, rhs, sizes):
     return peers
 
 
-def cpu_table(tokens_list, repeats):
+def cpu_table(tokens_list, repeats, min_seconds):
     gen = torch.Generator().manual_seed(0)
     rows = []
     for model, (hidden, inter, experts, top_k) in SHAPES.items():
@@ -82,13 +83,15 @@ def cpu_table(tokens_list, repeats):
             peers = _peers(lhs, rhs, sizes)
             xla = {k: peers.pop(k) for k in list(peers) if k.startswith("jax")}
             fns = {"ours": lambda: ragged_dot_tpu.ragged_dot(lhs, rhs, sizes), **peers}
-            times = time_interleaved(fns, repeats)
+            samples = time_rounds(fns, repeats, min_seconds * len(fns), before_each=evict_caches)
+            ours = statistics.median(samples["ours"])
+            row = {"model": model, "tokens": tokens, "ours_ms": ours * 1e3}
+            row.update({name: paired_ratio(samples, name) for name in fns if name != "ours"})
             # Timed on its own: XLA's CPU thread pool keeps spinning after a call
             # and would slow whichever contender runs next in a round.
-            times.update(time_interleaved(xla, max(1, repeats // 2)))
-            fns.update(xla)
-            row = {"model": model, "tokens": tokens, "ours_ms": times["ours"] * 1e3}
-            row.update({name: times[name] / times["ours"] for name in fns if name != "ours"})
+            xla_times = time_interleaved(xla, max(1, repeats // 2), before_each=evict_caches)
+            row.update({name: t / ours for name, t in xla_times.items()})
+            row["rounds"] = len(samples["ours"])
             rows.append(row)
             print(row, flush=True)
     return rows
@@ -107,13 +110,16 @@ def tpu_table(tokens_list):
 
 
 def main():
-    args = parse_args([1, 64, 512], 5)
-    cpu = cpu_table(args.tokens, args.repeats)
+    args = parse_args([1, 64, 512], 5, 3.0)
+    cpu = cpu_table(args.tokens, args.repeats, args.min_seconds)
     tpu = tpu_table([1, 64, 4096])
     write_report(
         args.out, "ragged_dot.md", "ragged_dot benchmark",
         f"gate_up projection (`[T*top_k, H] x [E, 2I, H]`), bf16, {torch.get_num_threads()} CPU threads, "
-        "median of interleaved runs. Columns after `ours_ms` are peer time / our time (>1: ours faster).",
+        "caches evicted before every call (weights from DRAM), contenders alternating in rounds (at least "
+        f"{args.repeats}, and at least {args.min_seconds:g} s per contender); `ours_ms` is our median. Columns "
+        "after it are the median over rounds of peer time / our time in the same round (>1: ours faster); "
+        "XLA is timed apart (its thread pool keeps spinning after a call), median over our median.",
         [(None, cpu), ("TPU: tiling chosen and VMEM working set (AOT compile, no TPU attached)", tpu)],
     )
 
