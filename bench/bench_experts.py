@@ -117,7 +117,7 @@ def chunk_sweep(tokens, repeats, rows_options=(128, 256, 512, 1024, 2048, 4096))
         module, config = _experts(name)
         hidden, index, weights = _routing(tokens, module.num_experts, config.num_experts_per_tok,
                                           config.hidden_size, gen)
-        rule = ragged_dot_tpu.experts.cpu_chunk_rows(module, 2)
+        rule = ragged_dot_tpu.experts.cpu_chunk_rows(module)
         fns = {f"{r} rows": functools.partial(ragged_dot_tpu.experts.cpu_inference_forward, module,
                                               hidden, index, weights, chunk_rows=r)
                for r in rows_options}

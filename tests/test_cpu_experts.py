@@ -180,15 +180,16 @@ def test_dispatch_inference_chunked_training_composed(monkeypatch):
 
 def test_tpu_falls_back_to_composed_with_a_warning_for_what_the_program_cannot_express():
     qwen, muse, nemotron = _experts("qwen3_moe"), _experts("muse_spark"), _experts("nemotron_h")
-    assert experts.choose_path(qwen, "tpu", needs_grad=False, compiling=False) == "tpu_program"
-    assert experts.choose_path(qwen, "tpu", needs_grad=True, compiling=False) == "composed"
+    path, program_args = experts.choose_path(qwen, "tpu", needs_grad=False, compiling=False)
+    assert path == "tpu_program" and program_args[4] == "glu_silu" and program_args[0] is qwen.gate_up_proj
+    assert experts.choose_path(qwen, "tpu", needs_grad=True, compiling=False) == ("composed", None)
     experts._WARNED_FALLBACK.clear()
     with pytest.warns(UserWarning, match="post-expert norm of MuseSparkExperts"):
-        assert experts.choose_path(muse, "tpu", needs_grad=False, compiling=False) == "composed"
+        assert experts.choose_path(muse, "tpu", needs_grad=False, compiling=False) == ("composed", None)
     with pytest.warns(UserWarning, match="activation ReLUSquaredActivation"):
-        assert experts.choose_path(nemotron, "tpu", needs_grad=False, compiling=False) == "composed"
-    assert experts.choose_path(muse, "cpu", needs_grad=False, compiling=False) == "cpu_chunked"
-    assert experts.choose_path(muse, "cpu", needs_grad=False, compiling=True) == "composed"
+        assert experts.choose_path(nemotron, "tpu", needs_grad=False, compiling=False) == ("composed", None)
+    assert experts.choose_path(muse, "cpu", needs_grad=False, compiling=False) == ("cpu_chunked", None)
+    assert experts.choose_path(muse, "cpu", needs_grad=False, compiling=True) == ("composed", None)
 
 
 BAD_EXPERTS_INPUTS = [

@@ -27,7 +27,7 @@ import warnings
 
 import torch
 
-from . import cpu_native, jax_bridge, validation
+from . import cpu_native, jax_bridge, layouts, validation
 from .ops import _needs_grad, ragged_dot, register_tpu_ops
 
 # The CPU chunk rule (``cpu_chunk_rows``): one chunk's activations within
@@ -81,8 +81,12 @@ def _layout(self) -> str:
 
 
 def _hidden_size(self) -> int:
-    """H, the output features of ``down_proj`` (``[E, H, I]`` or transposed ``[E, I, H]``)."""
-    return self.down_proj.shape[-1] if getattr(self, "is_transposed", False) else self.down_proj.shape[-2]
+    """H, the output features of ``down_proj``."""
+    return layouts.out_features(self.down_proj.shape, _layout(self))
+
+
+def _up_weight(self) -> torch.Tensor:
+    return self.gate_up_proj if getattr(self, "has_gate", True) else self.up_proj
 
 
 def route(top_k_index: torch.Tensor, num_experts: int):
@@ -117,7 +121,7 @@ def _fused_args(self):
         )
     gate, alpha, limit = gate_of_module(self)
     has_gate, has_bias = getattr(self, "has_gate", True), getattr(self, "has_bias", False)
-    up = self.gate_up_proj if has_gate else self.up_proj
+    up = _up_weight(self)
     up_bias = (self.gate_up_proj_bias if has_gate else self.up_proj_bias) if has_bias else None
     down_bias = self.down_proj_bias if has_bias else None
     return up, self.down_proj, up_bias, down_bias, gate, alpha, limit, _layout(self)
@@ -139,10 +143,11 @@ def fused_experts_forward_interpret(self, hidden_states, top_k_index, top_k_weig
     return jax_bridge.to_torch(out)
 
 
-def choose_path(self, device_type: str, needs_grad: bool, compiling: bool) -> str:
-    """Which implementation ``experts_forward`` runs:
+def choose_path(self, device_type: str, needs_grad: bool, compiling: bool):
+    """Which implementation ``experts_forward`` runs, as ``(path, program_args)``:
 
-    * ``"tpu_program"``: TPU inference, the whole layer as one jax_op;
+    * ``"tpu_program"``: TPU inference, the whole layer as one jax_op
+      (``program_args``: the weights and named gate it takes, ``_fused_args``);
     * ``"cpu_chunked"``: CPU eager inference (``cpu_inference_forward``);
     * ``"composed"``: everything else (gradients, ``torch.compile``), and TPU
       layers whose gate or norm the fused program cannot express: those run
@@ -150,18 +155,17 @@ def choose_path(self, device_type: str, needs_grad: bool, compiling: bool) -> st
     """
     if device_type == "tpu" and not needs_grad:
         try:
-            _fused_args(self)
+            return "tpu_program", _fused_args(self)
         except NotImplementedError as e:
             key = type(self).__qualname__
             if key not in _WARNED_FALLBACK:
                 _WARNED_FALLBACK.add(key)
                 warnings.warn(f"{e}; running the module's own code between grouped matmul ops instead",
                               stacklevel=3)
-            return "composed"
-        return "tpu_program"
+            return "composed", None
     if device_type == "cpu" and not needs_grad and not compiling:
-        return "cpu_chunked"
-    return "composed"
+        return "cpu_chunked", None
+    return "composed", None
 
 
 _WARNED_FALLBACK: set[str] = set()
@@ -173,10 +177,10 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     validation.check_experts_args(hidden_states, top_k_index, top_k_weights, self.num_experts,
                                   _hidden_size(self), check_values=hidden_states.device.type == "cpu"
                                   and not compiling)
-    path = choose_path(self, hidden_states.device.type,
-                       _needs_grad(hidden_states, top_k_weights, *self.parameters()), compiling)
+    path, program_args = choose_path(self, hidden_states.device.type,
+                                     _needs_grad(hidden_states, top_k_weights, *self.parameters()), compiling)
     if path == "tpu_program":
-        up, down, up_bias, down_bias, gate, alpha, limit, layout = _fused_args(self)
+        up, down, up_bias, down_bias, gate, alpha, limit, layout = program_args
         op = register_tpu_ops()["experts"]
         return op(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), up, down,
                   up_bias, down_bias, gate, alpha, limit, layout)
@@ -213,15 +217,14 @@ def composed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     return combined.view(num_tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
 
 
-def cpu_chunk_rows(self, itemsize: int) -> int:
+def cpu_chunk_rows(self) -> int:
     """Rows per chunk of the CPU inference path: as many as keep one chunk's
     activations (input, up, gate output, down, f32 copy for the sum) within
     ``CPU_CHUNK_BYTES``, and at least ``CPU_MIN_CHUNK_ROWS`` so each matmul
     stays large enough for BLAS to run near its peak."""
-    hidden = _hidden_size(self)
-    up = self.gate_up_proj if getattr(self, "has_gate", True) else self.up_proj
-    up_features = up.shape[-1] if getattr(self, "is_transposed", False) else up.shape[-2]
-    per_row = itemsize * (2 * hidden + 2 * up_features) + 4 * hidden
+    up = _up_weight(self)
+    hidden, up_features = _hidden_size(self), layouts.out_features(up.shape, _layout(self))
+    per_row = up.dtype.itemsize * (2 * hidden + 2 * up_features) + 4 * hidden
     return max(CPU_MIN_CHUNK_ROWS, CPU_CHUNK_BYTES // per_row)
 
 
@@ -241,8 +244,7 @@ def cpu_inference_forward(self, hidden_states, top_k_index, top_k_weights, *, ch
     token_of_row = order // top_k
     row_weights = top_k_weights.reshape(-1)[order].to(torch.float32).unsqueeze(-1)
     out = torch.zeros(num_tokens, hidden, dtype=torch.float32)
-    compute_dtype = (self.gate_up_proj if getattr(self, "has_gate", True) else self.up_proj).dtype
-    chunk_rows = chunk_rows or cpu_chunk_rows(self, compute_dtype.itemsize)
+    chunk_rows = chunk_rows or cpu_chunk_rows(self)
     for chunk in cpu_native.plan_row_chunks(group_sizes.tolist(), chunk_rows):
         rows = slice(chunk.row_start, chunk.row_end)
         experts = slice(chunk.first_expert, chunk.first_expert + len(chunk.sizes))

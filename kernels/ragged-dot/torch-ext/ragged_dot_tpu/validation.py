@@ -18,8 +18,8 @@ from .layouts import LAYOUTS
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _fail(message: str):
-    raise ValueError(f"ragged_dot: {message}")
+def _fail(message: str, function: str = "ragged_dot"):
+    raise ValueError(f"{function}: {message}")
 
 
 def check_ragged_dot_args(
@@ -100,7 +100,7 @@ def check_group_size_values(group_sizes: torch.Tensor, m: int) -> None:
 
 
 def _fail_experts(message: str):
-    raise ValueError(f"experts_forward: {message}")
+    _fail(message, "experts_forward")
 
 
 def check_experts_args(
