@@ -47,7 +47,13 @@ def random_group_sizes(rng, num_groups, m, kind):
     elif kind == "all_last":
         sizes[-1] = m
     elif kind == "sum_below_m":
-        sizes[: num_groups // 2] = max(1, m // (2 * max(1, num_groups // 2)))
+        # at most m / 2 rows in all: the first half of the groups, or group 0
+        # alone when there are more of them than rows to share
+        per_group = m // (2 * max(1, num_groups // 2))
+        if per_group:
+            sizes[: num_groups // 2] = per_group
+        else:
+            sizes[0] = m // 2
     elif kind == "all_empty":
         pass
     elif kind == "with_zeros":
