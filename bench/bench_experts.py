@@ -30,12 +30,15 @@ from transformers import AutoConfig
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "kernels" / "ragged-dot" / "torch-ext"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import ragged_dot_tpu  # noqa: E402
-from common import evict_caches, paired_ratio, parse_args, time_interleaved, time_rounds, write_report  # noqa: E402
-from ragged_dot_tpu import pallas_fused_experts, tiling  # noqa: E402
+from common import (evict_caches, paired_ratio, parse_args, time_interleaved, time_rounds,  # noqa: E402
+                    use_shipped_packages, write_report)
+
+use_shipped_packages()
+import moe_experts_tpu  # noqa: E402
+from moe_experts_tpu.experts import cpu_path, pallas_fused_experts  # noqa: E402
+from moe_experts_tpu.gmm import tiling  # noqa: E402
 
 MODELS = {
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, moe_intermediate_size=768,
@@ -88,7 +91,7 @@ def cpu_rows(tokens_list, repeats, min_seconds):
         for tokens in tokens_list:
             hidden, index, weights = _routing(tokens, num_experts, top_k, config.hidden_size, gen)
             args = (module, hidden, index, weights)
-            fns = {"ours": functools.partial(ragged_dot_tpu.experts_forward, *args),
+            fns = {"ours": functools.partial(moe_experts_tpu.experts_forward, *args),
                    "eager": functools.partial(eager, *args),
                    "grouped_mm": functools.partial(ALL_EXPERTS_FUNCTIONS["grouped_mm"], *args)}
             with torch.no_grad():
@@ -117,11 +120,11 @@ def chunk_sweep(tokens, repeats, rows_options=(128, 256, 512, 1024, 2048, 4096))
         module, config = _experts(name)
         hidden, index, weights = _routing(tokens, module.num_experts, config.num_experts_per_tok,
                                           config.hidden_size, gen)
-        rule = ragged_dot_tpu.experts.cpu_chunk_rows(module)
-        fns = {f"{r} rows": functools.partial(ragged_dot_tpu.experts.cpu_inference_forward, module,
+        rule = cpu_path.cpu_chunk_rows(module)
+        fns = {f"{r} rows": functools.partial(cpu_path.cpu_inference_forward, module,
                                               hidden, index, weights, chunk_rows=r)
                for r in rows_options}
-        fns["rule"] = functools.partial(ragged_dot_tpu.experts.cpu_inference_forward, module,
+        fns["rule"] = functools.partial(cpu_path.cpu_inference_forward, module,
                                         hidden, index, weights, chunk_rows=rule)
         with torch.no_grad():
             times = time_interleaved(fns, repeats, before_each=evict_caches)

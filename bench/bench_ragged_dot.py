@@ -24,13 +24,17 @@ import sys
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "kernels" / "ragged-dot" / "torch-ext"))
-
 sys.path.insert(0, str(ROOT / "bench"))
 
+from common import (evict_caches, paired_ratio, parse_args, time_interleaved, time_rounds,  # noqa: E402
+                    use_shipped_packages, write_report)
+
+use_shipped_packages()
+import jax.numpy as jnp  # noqa: E402
+
 import ragged_dot_tpu  # noqa: E402
-from common import evict_caches, paired_ratio, parse_args, time_interleaved, time_rounds, write_report  # noqa: E402
-from ragged_dot_tpu import aot  # noqa: E402
+from ragged_dot_tpu.common import aot  # noqa: E402
+from ragged_dot_tpu.gmm import pallas_gmm, tiling  # noqa: E402
 
 SHAPES = {  # (hidden, intermediate, experts, top_k)
     "qwen3-30b-a3b": (2048, 768, 128, 8),
@@ -102,10 +106,15 @@ def tpu_table(tokens_list):
     for generation in aot.TOPOLOGIES:
         for model, (hidden, inter, experts, top_k) in SHAPES.items():
             for tokens in tokens_list:
-                r = aot.compile_gmm(generation, tokens * top_k, hidden, 2 * inter, experts)
+                m, k, n = tokens * top_k, hidden, 2 * inter
+                t = tiling.choose_tiling(m, k, n, experts, lhs_itemsize=2, rhs_itemsize=2, out_itemsize=2,
+                                         generation=generation)
+                aot.compile_for(generation, lambda x, w, s, t=t, g=generation: pallas_gmm.gmm(
+                    x, w, s, tiling=t, generation=g),
+                    ((m, k), jnp.bfloat16), ((experts, n, k), jnp.bfloat16), ((experts,), jnp.int32))
                 rows.append({"generation": generation, "model": model, "tokens": tokens,
-                             "tiling (tm,tk,tn)": r.tiling.as_tuple(),
-                             "VMEM working set (MiB)": r.vmem_working_set / 2**20})
+                             "tiling (tm,tk,tn)": t.as_tuple(),
+                             "VMEM working set (MiB)": tiling.working_set_bytes(t, 2, 2, 2) / 2**20})
     return rows
 
 

@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import pathlib
 import statistics
+import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEV_TREE = ROOT / ".dev"
+
+
+def use_shipped_packages() -> None:
+    """Assemble the Hub packages as they ship (`build/hub.py dev`) and put them on
+    sys.path, so a benchmark measures what users load."""
+    spec = importlib.util.spec_from_file_location("_hub_build_script", ROOT / "build" / "hub.py")
+    hub = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = hub
+    spec.loader.exec_module(hub)
+    hub.dev(DEV_TREE)
+    sys.path.insert(0, str(DEV_TREE))
 
 
 _EVICT_BYTES = 128 << 20  # several times any L3 cache here

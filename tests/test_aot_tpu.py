@@ -10,13 +10,38 @@ transposed grouped matmul.
 import jax.numpy as jnp
 import pytest
 
-from ragged_dot_tpu import aot, tiling
+from ragged_dot_tpu.common import aot, tpu_generations
+from ragged_dot_tpu.gmm import pallas_gmm, tiling
 
 pytest.importorskip("libtpu")
 
 QWEN = dict(hidden=2048, inter=768, experts=128, top_k=8)
 GPT_OSS = dict(hidden=2880, inter=2880, experts=32, top_k=4)
 GENERATIONS = ["v4", "v5e", "v5p", "v6e"]
+
+
+def _rule_tiling(generation, m, k, n, g, dtype):
+    size = jnp.dtype(dtype).itemsize
+    return tiling.choose_tiling(m, k, n, g, lhs_itemsize=size, rhs_itemsize=size, out_itemsize=size,
+                                generation=generation)
+
+
+def compile_gmm(generation, m, k, n, g, *, rhs_layout="nk", dtype=jnp.bfloat16, tiling=None):
+    """The forward kernel compiled for ``generation``; returns the tiling it used."""
+    t = tiling or _rule_tiling(generation, m, k, n, g, dtype)
+    rhs_shape = (g, n, k) if rhs_layout == "nk" else (g, k, n)
+    aot.compile_for(generation, lambda x, w, s: pallas_gmm.gmm(x, w, s, rhs_layout=rhs_layout, tiling=t,
+                                                                generation=generation),
+                    ((m, k), dtype), (rhs_shape, dtype), ((g,), jnp.int32))
+    return t
+
+
+def compile_tgmm(generation, m, k, n, g, *, rhs_layout="nk", dtype=jnp.bfloat16, tiling=None):
+    t = tiling or _rule_tiling(generation, m, k, n, g, dtype)
+    aot.compile_for(generation, lambda x, dy, s: pallas_gmm.tgmm(
+        x, dy, s, num_local_groups=g, rhs_layout=rhs_layout, tiling=t, generation=generation),
+        ((m, k), dtype), ((m, n), dtype), ((g,), jnp.int32))
+    return t
 
 
 def _expert_matmuls(model, tokens):
@@ -34,71 +59,100 @@ FORWARD_CASES = [
 @pytest.mark.parametrize("case", FORWARD_CASES, ids=lambda c: f"{c[1]}-{c[0]}-{c[2]}tok")
 def test_forward_compiles(generation, case, record_property):
     _, _, _, m, k, n, g = case
-    report = aot.compile_gmm(generation, m, k, n, g, rhs_layout="nk")
-    limit = tiling.get_generation(generation).vmem_budget
-    assert report.vmem_working_set <= limit
-    record_property("tiling", report.tiling.as_tuple())
-    record_property("vmem_working_set", report.vmem_working_set)
+    t = compile_gmm(generation, m, k, n, g, rhs_layout="nk")
+    working_set = tiling.working_set_bytes(t, 2, 2, 2)
+    assert working_set <= tpu_generations.get_generation(generation).vmem_budget
+    record_property("tiling", t.as_tuple())
+    record_property("vmem_working_set", working_set)
 
 
 @pytest.mark.parametrize("generation", ["v5e", "v6e"])
 @pytest.mark.parametrize("tokens", [64, 4096])
 def test_backward_compiles(generation, tokens):
     for _, m, k, n, g in _expert_matmuls(QWEN, tokens):
-        aot.compile_gmm(generation, m, n, k, g, rhs_layout="kn")  # d_lhs = d_out @ W
-        aot.compile_tgmm(generation, m, k, n, g, rhs_layout="nk")  # d_W
+        compile_gmm(generation, m, n, k, g, rhs_layout="kn")  # d_lhs = d_out @ W
+        compile_tgmm(generation, m, k, n, g, rhs_layout="nk")  # d_W
 
 
 @pytest.mark.parametrize("generation", GENERATIONS)
 @pytest.mark.parametrize("m", [1, 4, 12])
 def test_decode_rows_below_one_tile_with_k_tail(generation, m):
     """bf16 blocks of fewer rows than a native tile, with the K-tail mask."""
-    aot.compile_gmm(generation, m, 2880, 1024, 32, tiling=tiling.Tiling(m if m < 8 else 16, 2048, 512))
+    compile_gmm(generation, m, 2880, 1024, 32, tiling=tiling.Tiling(m if m < 8 else 16, 2048, 512))
 
 
 @pytest.mark.parametrize("generation", ["v5e", "v6e"])
 def test_f32_and_unaligned_shapes_compile(generation):
-    aot.compile_gmm(generation, 100, 300, 260, 5, dtype=jnp.float32)
-    aot.compile_gmm(generation, 100, 300, 260, 5, dtype=jnp.float32, rhs_layout="kn",
+    compile_gmm(generation, 100, 300, 260, 5, dtype=jnp.float32)
+    compile_gmm(generation, 100, 300, 260, 5, dtype=jnp.float32, rhs_layout="kn",
                     tiling=tiling.Tiling(16, 128, 128))
-    aot.compile_tgmm(generation, 100, 300, 260, 5, dtype=jnp.float32, tiling=tiling.Tiling(16, 128, 128))
+    compile_tgmm(generation, 100, 300, 260, 5, dtype=jnp.float32, tiling=tiling.Tiling(16, 128, 128))
 
 
-def _experts_specs(spec, tokens, model=QWEN, dtype=jnp.bfloat16):
+def _experts_inputs(tokens, model, dtype=jnp.bfloat16):
+    """(shape, dtype) of the program's tensors: Qwen3 "nk" bias-free, gpt-oss "kn" biased."""
     e, h, i, k = model["experts"], model["hidden"], model["inter"], model["top_k"]
-    return (spec((tokens, h), dtype), spec((tokens, k), jnp.int32), spec((tokens, k), dtype),
-            spec((e, 2 * i, h), dtype), spec((e, h, i), dtype))
+    routing = (((tokens, h), dtype), ((tokens, k), jnp.int32), ((tokens, k), dtype))
+    if model is GPT_OSS:
+        return routing + (((e, h, 2 * i), dtype), ((e, i, h), dtype), ((e, 2 * i), dtype), ((e, h), dtype))
+    return routing + (((e, 2 * i, h), dtype), ((e, h, i), dtype))
 
 
-@pytest.mark.parametrize("fused_kernel", [True, False], ids=["fused-kernel", "two-matmuls"])
+# "rule": the path the fused-kernel rule picks on that chip; "two-matmuls": forced.
+EXPERTS_PROGRAM_CASES = [("qwen3", "rule"), ("qwen3", "two-matmuls"), ("gpt-oss", "rule")]
+
+
+@pytest.mark.parametrize("generation", GENERATIONS)
+@pytest.mark.parametrize("tokens", [1, 64, 4096])
+@pytest.mark.parametrize("case", EXPERTS_PROGRAM_CASES, ids="-".join)
+def test_experts_program_compiles(generation, tokens, case, record_property):
+    """The whole TPU experts layer on every generation, each with its own tiles
+    and VMEM limit (v4's 16 MiB caught a v6e tiling here)."""
+    from moe_experts_tpu.experts import program
+
+    model_name, path = case
+    model = QWEN if model_name == "qwen3" else GPT_OSS
+    inputs = _experts_inputs(tokens, model)
+    spec = aot.abstract_input(generation)
+    abstract = [spec(*shape_dtype) for shape_dtype in inputs]
+    gate, layout = ("gpt_oss", "kn") if model is GPT_OSS else ("glu_silu", "nk")
+    tm = program.fused_kernel_row_tile(tokens * model["top_k"], abstract[3], abstract[4],
+                                       *(abstract[5:7] if model is GPT_OSS else (None, None)), gate, layout,
+                                       generation)
+    # Qwen3-30B-A3B's 9.4 MB expert, double-buffered, fits the 24 MiB budget of
+    # v5e/v5p/v6e but not v4's 12 MiB; gpt-oss (biased, interleaved) never fuses.
+    assert (tm is not None) == (model is QWEN and generation != "v4")
+    record_property("fused_row_tile", tm)
+    fused = None if path == "rule" else False
+
+    def fn(*a):
+        return program.experts_forward(*a, gate=gate, rhs_layout=layout, fused=fused, generation=generation)
+
+    aot.compile_for(generation, fn, *inputs)
+
+
 @pytest.mark.parametrize("tokens", [1, 64, 512, 4096])
-def test_experts_program_compiles_for_v6e(tokens, fused_kernel):
-    import jax
+def test_fused_row_tile_rule_on_v6e(tokens):
+    from moe_experts_tpu.experts import program
 
-    from ragged_dot_tpu import experts_jax
-
-    spec = aot._spec(aot.tpu_device("v6e"))
-    specs = _experts_specs(spec, tokens)
-    tm = experts_jax.fused_kernel_row_tile(tokens * QWEN["top_k"], specs[3], specs[4], None, None,
-                                           "glu_silu", "nk", "v6e")
+    spec = aot.abstract_input("v6e")
+    inputs = [spec(*shape_dtype) for shape_dtype in _experts_inputs(tokens, QWEN)]
+    tm = program.fused_kernel_row_tile(tokens * QWEN["top_k"], inputs[3], inputs[4], None, None,
+                                       "glu_silu", "nk", "v6e")
     # Qwen3-30B-A3B experts fit whole in v6e VMEM: the rule picks the fused
     # kernel at every token count, with a smaller row tile than the grouped
     # matmul's (256) in prefill so the working set fits.
     assert tm == {1: 16, 64: 16, 512: 32, 4096: 128}[tokens]
-    fn = jax.jit(lambda *a: experts_jax.experts_forward(
-        *a, gate="glu_silu", fused=fused_kernel, generation="v6e"))
-    compiled = fn.lower(*specs).compile()
-    assert compiled.memory_analysis() is not None
 
 
 def test_fused_kernel_rule_refuses_gpt_oss_experts():
-    from ragged_dot_tpu import experts_jax
+    from moe_experts_tpu.experts import program
 
-    spec = aot._spec(aot.tpu_device("v6e"))
+    spec = aot.abstract_input("v6e")
     e, h, i = GPT_OSS["experts"], GPT_OSS["hidden"], GPT_OSS["inter"]
     up, down = spec((e, 2 * i, h), jnp.bfloat16), spec((e, h, i), jnp.bfloat16)
-    assert experts_jax.fused_kernel_row_tile(256, up, down, None, None, "glu_silu", "nk", "v6e") is None  # 33 MB
-    assert experts_jax.fused_kernel_row_tile(256, up, down, None, None, "gpt_oss", "nk", "v6e") is None
+    assert program.fused_kernel_row_tile(256, up, down, None, None, "glu_silu", "nk", "v6e") is None  # 33 MB
+    assert program.fused_kernel_row_tile(256, up, down, None, None, "gpt_oss", "nk", "v6e") is None
 
 
 def test_fused_experts_program_traces_once_per_shape():
@@ -106,15 +160,16 @@ def test_fused_experts_program_traces_once_per_shape():
     import jax
     import numpy as np
 
-    from ragged_dot_tpu import experts_jax, jax_bridge
+    from moe_experts_tpu.common import pallas_helpers
+    from moe_experts_tpu.experts import program
 
     traces = []
 
-    def program(*args):
+    def traced(*args):
         traces.append(args[0].shape)
-        return experts_jax.experts_forward(*args, gate="glu_silu", interpret=jax_bridge.interpret_params())
+        return program.experts_forward(*args, gate="glu_silu", interpret=pallas_helpers.interpret_params())
 
-    fn = jax.jit(program)
+    fn = jax.jit(traced)
     rng = np.random.default_rng(0)
     e, h, i = 4, 16, 8
     weights = (jnp.asarray(rng.standard_normal((e, 2 * i, h)), jnp.float32),

@@ -29,16 +29,7 @@ BACKENDS = ("tpu", "cpu")
 SOURCE_PKG = ROOT / "kernels" / "ragged-dot" / "torch-ext" / PACKAGE
 
 
-def _load_hub_module():
-    # build/ is not a package (PyPA's `build` owns that name): load the script by path.
-    spec = importlib.util.spec_from_file_location("_hub_build_script", HUB_PY)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-hub = _load_hub_module()
+hub = sys.modules["_hub_build_script"]  # build/hub.py, loaded by conftest.py
 
 
 def run_hub(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -89,21 +80,51 @@ def test_two_builds_are_byte_identical(builds):
     assert a == b
 
 
+def _py_sources(folder: Path, exclude=()) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*.py"))
+            if "__pycache__" not in p.parts and p.relative_to(folder).as_posix() not in exclude}
+
+
+def expected_package(own: Path, shared: dict[str, Path], dev_only=("aot.py",)) -> dict[str, bytes]:
+    """What a variant must hold, read from the source folders: the kernel's own
+    package, each shared folder under its subpackage (without the dev-only
+    files), the generated _ops.py aside."""
+    files = _py_sources(own)
+    for sub, folder in shared.items():
+        files.update({f"{sub}/{rel}": content for rel, content in _py_sources(folder, dev_only).items()})
+    return files
+
+
+COMMON = ROOT / "kernels" / "common"
+EXPERTS_SRC = ROOT / "kernels" / "moe-experts" / "torch-ext" / "moe_experts_tpu" / "experts"
+
+
 def test_tree_layout(tree):
     files = tree_bytes(tree)
     assert "README.md" in files and "build.toml" in files
-    sources = sorted(p.relative_to(SOURCE_PKG).as_posix() for p in SOURCE_PKG.rglob("*.py")
-                     if "__pycache__" not in p.parts)
+    want = expected_package(SOURCE_PKG, {"common": COMMON, "experts": EXPERTS_SRC})
+    assert "common/aot.py" not in want and "gmm/pallas_gmm.py" in want and "experts/program.py" in want
     for backend in BACKENDS:
         variant = f"build/torch-{backend}/"
         in_variant = sorted(rel[len(variant):] for rel in files if rel.startswith(variant))
-        assert in_variant == sorted({*sources, "_ops.py", "metadata.json"})
-        # The variant root is the package: sources copied verbatim, flattened.
-        for rel in sources:
+        assert in_variant == sorted({*want, "metadata.json"})
+        for rel, content in want.items():
             if rel != "_ops.py":
-                assert files[variant + rel] == (SOURCE_PKG / rel).read_bytes()
+                assert files[variant + rel] == content, rel
     assert not [rel for rel in files if "__pycache__" in rel or rel.endswith(".pyc")]
     assert sorted({rel.split("/")[1] for rel in files if rel.startswith("build/")}) == ["torch-cpu", "torch-tpu"]
+
+
+def test_dev_tree_is_the_shipped_package_plus_dev_only_files(tree):
+    """What the tests import (.dev, written by conftest) is byte for byte what ships."""
+    from conftest import DEV_TREE
+
+    dev = tree_bytes(DEV_TREE / PACKAGE)
+    dev = {rel: c for rel, c in dev.items() if "__pycache__" not in rel}
+    shipped = {rel[len("build/torch-cpu/"):]: c for rel, c in tree_bytes(tree).items()
+               if rel.startswith("build/torch-cpu/") and not rel.endswith("metadata.json")}
+    assert set(dev) - set(shipped) == {"common/aot.py"}
+    assert {rel: dev[rel] for rel in shipped} == shipped
 
 
 def test_readme_front_matter_and_usage(tree):
@@ -174,7 +195,8 @@ def test_metadata(tree, backend):
         assert md.provenance.kernel.commit == head.stdout.strip()
         status = subprocess.run(
             ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=all", "--",
-             "kernels/ragged-dot", "hub_manifests/ragged-dot-tpu.toml"],
+             "kernels/ragged-dot", "kernels/common", "kernels/moe-experts/torch-ext/moe_experts_tpu/experts",
+             "hub_manifests/ragged-dot-tpu.toml"],
             capture_output=True, text=True, check=True,
         ).stdout
         assert md.provenance.kernel.dirty == bool(status.strip())
@@ -203,13 +225,53 @@ def test_digest_verifies_with_kernels(tree, cache, tmp_path, backend):
     # A changed or an extra file is caught.
     copy = tmp_path / "variant"
     shutil.copytree(variant, copy)
-    (copy / "ops.py").write_text((copy / "ops.py").read_text() + "\n# tampered\n")
+    (copy / "gmm/ops.py").write_text((copy / "gmm/ops.py").read_text() + "\n# tampered\n")
     with pytest.raises(DigestValidationError):
         md.digest.validate(Digest.hash_variant(md.digest.algorithm, copy))
-    (copy / "ops.py").write_bytes((variant / "ops.py").read_bytes())
+    (copy / "gmm/ops.py").write_bytes((variant / "gmm/ops.py").read_bytes())
     (copy / "extra.py").write_text("x = 1\n")
     with pytest.raises(DigestValidationError):
         md.digest.validate(Digest.hash_variant(md.digest.algorithm, copy))
+
+
+@pytest.fixture
+def tampered(tree, tmp_path) -> Path:
+    """A copy of the built tree with one shipped file changed after the build."""
+    copy = tmp_path / NAME
+    shutil.copytree(tree, copy)
+    target = copy / "build" / "torch-cpu" / "gmm" / "cpu_native.py"
+    target.write_text(target.read_text().replace("return out\n", "return out * 2\n", 1))
+    return copy
+
+
+def test_verify_accepts_the_build_and_names_a_tampered_file(tree, tampered, tmp_path):
+    r = run_hub("verify", "--tree", str(tree))
+    assert r.returncode == 0 and "digests match (torch-cpu, torch-tpu)" in r.stdout, r.stderr
+    r = run_hub("verify", "--tree", str(tampered))
+    assert r.returncode == 2
+    assert "build/torch-cpu/gmm/cpu_native.py does not match its digest" in r.stderr
+    extra = tmp_path / "extra"
+    shutil.copytree(tree, extra)
+    (extra / "build" / "torch-tpu" / "evil.py").write_text("x = 1\n")
+    r = run_hub("verify", "--tree", str(extra))
+    assert r.returncode == 2 and "build/torch-tpu/evil.py is not in the digest" in r.stderr
+
+
+def test_install_cache_and_push_refuse_a_tampered_tree(tampered, tmp_path):
+    for args in (("install-cache", "--tree", str(tampered), "--cache", str(tmp_path / "c")),
+                 ("push", "--tree", str(tampered), "--dry-run")):
+        r = run_hub(*args)
+        assert r.returncode == 2, (args, r.stdout)
+        assert "gmm/cpu_native.py does not match its digest" in r.stderr
+        assert "Traceback" not in r.stderr
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").rglob("refs/v1"))
+
+
+@pytest.mark.parametrize("cmd", ["install-cache", "push", "verify"])
+def test_a_folder_that_is_not_a_build_gives_a_clear_error(cmd, tmp_path):
+    r = run_hub(cmd, "--tree", str(tmp_path), *(["--dry-run"] if cmd == "push" else []))
+    assert r.returncode == 2
+    assert "is not a built kernel repo (no build.toml and build/)" in r.stderr and "Traceback" not in r.stderr
 
 
 # ---------------------------------------------------------------------------
@@ -342,9 +404,10 @@ def _fake_repo(tmp_path: Path, init_body: str, manifest_extra: str = "") -> Path
         {manifest_extra}
 
         [[kernel.extra-sources]]
-        from = "kernels/ragged-dot/torch-ext/{PACKAGE}"
+        from = "kernels/ragged-dot/torch-ext/{PACKAGE}/gmm"
         files = ["tiling.py", "pallas_*.py"]
         to = "_gmm"
+        dev-only = ["pallas_gmm.py"]
 
         [card]
         description = "MoE experts."
@@ -360,13 +423,20 @@ def test_extra_sources_are_copied(tmp_path, monkeypatch):
     files, namespace, ids = hub.plan_repo(m)
     for backend in BACKENDS:
         v = f"build/torch-{backend}/"
-        assert files[v + "_gmm/tiling.py"] == (SOURCE_PKG / "tiling.py").read_bytes()
-        assert files[v + "_gmm/pallas_gmm.py"] == (SOURCE_PKG / "pallas_gmm.py").read_bytes()
+        assert files[v + "_gmm/tiling.py"] == (SOURCE_PKG / "gmm" / "tiling.py").read_bytes()
+        assert v + "_gmm/pallas_gmm.py" not in files  # dev-only: not shipped
         assert v + "_gmm/__init__.py" in files
         assert namespace.startswith("_moe_experts_tpu_")
         md = json.loads(files[v + "metadata.json"])
         assert set(md["digest"]["files"]) == {rel[len(v):] for rel in files if rel.startswith(v)} - {"metadata.json"}
         assert "kernel" not in md["provenance"]  # not a git checkout
+
+
+def test_shipped_module_importing_a_dev_only_one_is_refused(tmp_path, monkeypatch):
+    manifest = _fake_repo(tmp_path, "def f():\n    from ._gmm import pallas_gmm\n")
+    monkeypatch.setattr(hub, "REPO_ROOT", manifest.parent.parent)
+    with pytest.raises(hub.BuildError, match="imports _gmm/pallas_gmm.py, which the manifest marks dev-only"):
+        hub.plan_repo(hub.load_manifest(manifest))
 
 
 def test_absolute_self_import_is_refused(tmp_path, monkeypatch):

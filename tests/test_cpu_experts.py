@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import reference
-import tiny_experts
 import ragged_dot_tpu
-from ragged_dot_tpu import cpu_native, experts
+import tiny_experts
+from moe_experts_tpu.experts import cpu_path, forward
+from ragged_dot_tpu.gmm import cpu_native
 
 SEED = int(os.environ.get("TEST_SEED", np.random.SeedSequence().entropy % (2**31)))
 
@@ -36,7 +37,7 @@ def test_row_chunks_cover_every_row_once(trial):
     num_experts = int(rng.integers(1, 12))
     sizes = [int(s) for s in rng.integers(0, 9, size=num_experts) * (rng.random(num_experts) < 0.6)]
     max_rows = int(rng.integers(1, 12))
-    chunks = cpu_native.plan_row_chunks(sizes, max_rows)
+    chunks = cpu_path.plan_row_chunks(sizes, max_rows)
     starts = np.concatenate([[0], np.cumsum(sizes)])
     covered = []
     for chunk in chunks:
@@ -56,7 +57,7 @@ def test_row_chunks_cover_every_row_once(trial):
 
 def test_row_chunks_reject_bad_size():
     with pytest.raises(ValueError, match="max_rows must be >= 1"):
-        cpu_native.plan_row_chunks([1, 2], 0)
+        cpu_path.plan_row_chunks([1, 2], 0)
 
 
 @pytest.mark.parametrize("sparse_ratio", [0, 10**6], ids=["grouped_mm", "loop"])
@@ -123,7 +124,7 @@ def test_chunked_forward_matches_module_eager(poisoned_outputs, kind, chunk_rows
     hidden = torch.randn(11, 32, generator=gen)
     index, weights = _routing(11, module.num_experts, 3, gen, sentinels=True)
     with torch.no_grad():
-        got = experts.cpu_inference_forward(module, hidden, index, weights, chunk_rows=chunk_rows)
+        got = cpu_path.cpu_inference_forward(module, hidden, index, weights, chunk_rows=chunk_rows)
         want = _eager(module, hidden, index, weights)
     assert got.dtype == hidden.dtype
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"seed={SEED}")
@@ -137,7 +138,7 @@ def test_chunked_forward_bf16_and_split_experts(poisoned_outputs):
     index = torch.randint(0, 3, (40, 2), generator=gen)
     weights = torch.rand(40, 2, generator=gen).bfloat16()
     with torch.no_grad():
-        got = experts.cpu_inference_forward(module, hidden, index, weights, chunk_rows=16)
+        got = cpu_path.cpu_inference_forward(module, hidden, index, weights, chunk_rows=16)
         want = _eager(module, hidden, index, weights)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
@@ -149,16 +150,16 @@ def test_chunked_and_composed_paths_agree(kind):
     hidden = torch.randn(9, 32, generator=gen)
     index, weights = _routing(9, module.num_experts, 2, gen, sentinels=True)
     with torch.no_grad():
-        chunked = experts.cpu_inference_forward(module, hidden, index, weights, chunk_rows=4)
-        composed = experts.composed_experts_forward(module, hidden, index, weights)
+        chunked = cpu_path.cpu_inference_forward(module, hidden, index, weights, chunk_rows=4)
+        composed = forward.composed_experts_forward(module, hidden, index, weights)
     torch.testing.assert_close(chunked, composed, rtol=1e-5, atol=1e-5)
 
 
 def test_all_picks_remote_or_no_tokens_give_zeros():
     module = _experts("gpt_oss")  # biases: a remote row must not even get the bias
     with torch.no_grad():
-        remote = experts.cpu_inference_forward(module, torch.randn(3, 32), torch.full((3, 2), 7), torch.zeros(3, 2))
-        empty = experts.cpu_inference_forward(module, torch.randn(0, 32), torch.zeros(0, 2, dtype=torch.long),
+        remote = cpu_path.cpu_inference_forward(module, torch.randn(3, 32), torch.full((3, 2), 7), torch.zeros(3, 2))
+        empty = cpu_path.cpu_inference_forward(module, torch.randn(0, 32), torch.zeros(0, 2, dtype=torch.long),
                                               torch.zeros(0, 2))
     assert (remote == 0).all() and empty.shape == (0, 32)
 
@@ -166,37 +167,38 @@ def test_all_picks_remote_or_no_tokens_give_zeros():
 def test_dispatch_inference_chunked_training_composed(monkeypatch):
     module = _experts("qwen3_moe")
     taken = []
-    monkeypatch.setattr(experts, "cpu_inference_forward", lambda *a, **k: taken.append("chunked"))
-    monkeypatch.setattr(experts, "composed_experts_forward", lambda *a, **k: taken.append("composed"))
+    monkeypatch.setattr(cpu_path, "cpu_inference_forward", lambda *a, **k: taken.append("chunked"))
+    monkeypatch.setattr(forward, "composed_experts_forward", lambda *a, **k: taken.append("composed"))
     hidden, index, weights = torch.randn(2, 32), torch.tensor([[0, 1], [2, 3]]), torch.rand(2, 2)
     with torch.no_grad():
-        experts.experts_forward(module, hidden, index, weights)
-    experts.experts_forward(module, hidden, index, weights)  # parameters require grad
+        forward.experts_forward(module, hidden, index, weights)
+    forward.experts_forward(module, hidden, index, weights)  # parameters require grad
     module.requires_grad_(False)
-    experts.experts_forward(module, hidden.requires_grad_(), index, weights)
+    forward.experts_forward(module, hidden.requires_grad_(), index, weights)
     assert taken == ["chunked", "composed", "composed"]
-
 
 
 def test_tpu_falls_back_to_composed_with_a_warning_for_what_the_program_cannot_express():
     qwen, muse, nemotron = _experts("qwen3_moe"), _experts("muse_spark"), _experts("nemotron_h")
-    path, program_args = experts.choose_path(qwen, "tpu", needs_grad=False, compiling=False)
+    path, program_args = forward.choose_path(qwen, "tpu", grad=False, compiling=False)
     assert path == "tpu_program" and program_args[4] == "glu_silu" and program_args[0] is qwen.gate_up_proj
-    assert experts.choose_path(qwen, "tpu", needs_grad=True, compiling=False) == ("composed", None)
-    experts._WARNED_FALLBACK.clear()
+    assert forward.choose_path(qwen, "tpu", grad=True, compiling=False) == ("composed", None)
+    forward._WARNED_FALLBACK.clear()
     with pytest.warns(UserWarning, match="post-expert norm of MuseSparkExperts"):
-        assert experts.choose_path(muse, "tpu", needs_grad=False, compiling=False) == ("composed", None)
+        assert forward.choose_path(muse, "tpu", grad=False, compiling=False) == ("composed", None)
     with pytest.warns(UserWarning, match="activation ReLUSquaredActivation"):
-        assert experts.choose_path(nemotron, "tpu", needs_grad=False, compiling=False) == ("composed", None)
-    assert experts.choose_path(muse, "cpu", needs_grad=False, compiling=False) == ("cpu_chunked", None)
-    assert experts.choose_path(muse, "cpu", needs_grad=False, compiling=True) == ("composed", None)
+        assert forward.choose_path(nemotron, "tpu", grad=False, compiling=False) == ("composed", None)
+    assert forward.choose_path(muse, "cpu", grad=False, compiling=False) == ("cpu_chunked", None)
+    assert forward.choose_path(muse, "cpu", grad=False, compiling=True) == ("composed", None)
 
 
 BAD_EXPERTS_INPUTS = [
     ("hidden_states must be \\[tokens, 32\\]", lambda h, i, w: (h[:, :16], i, w)),
     ("top_k_index must be \\[tokens=5, top_k\\]", lambda h, i, w: (h, i[:4], w)),
     ("top_k_weights must have the shape", lambda h, i, w: (h, i, w[:, :1])),
-    ("top_k_index must hold integer expert ids", lambda h, i, w: (h, i.float(), w)),
+    ("top_k_index must be int32 or int64, got torch.float32", lambda h, i, w: (h, i.float(), w)),
+    ("top_k_index must be int32 or int64, got torch.uint8", lambda h, i, w: (h, i.to(torch.uint8), w)),
+    ("top_k_index must be int32 or int64, got torch.int8", lambda h, i, w: (h, i.to(torch.int8), w)),
     ("top_k_weights must be floating point", lambda h, i, w: (h, i, i)),
     ("expected ids in \\[0, 8\\], or 9", lambda h, i, w: (h, torch.where(i == i[0, 0], 10, i), w)),
     ("holds expert ids in \\[-1", lambda h, i, w: (h, torch.where(i == i[0, 0], -1, i), w)),
@@ -211,4 +213,38 @@ def test_bad_experts_input_raises_clear_error(message, make):
     index, weights = _routing(5, 9, 2, gen)
     args = make(torch.randn(5, 32, generator=gen), index, weights)
     with torch.no_grad(), pytest.raises(ValueError, match="experts_forward: .*" + message):
-        experts.experts_forward(module, *args)
+        forward.experts_forward(module, *args)
+
+
+def test_module_without_experts_attributes_raises_type_error():
+    class NotExperts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.down_proj = torch.nn.Parameter(torch.zeros(2, 32, 8))
+
+    with pytest.raises(TypeError, match=r"NotExperts is not a Transformers experts module: it lacks "
+                                        r"\['num_experts', 'gate_up_proj', '_apply_gate'\]"):
+        forward.experts_forward(NotExperts(), torch.zeros(1, 32), torch.zeros(1, 1, dtype=torch.long),
+                                torch.ones(1, 1))
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss", "muse_spark"])
+def test_sentinel_picks_add_nothing_whatever_their_weight(kind):
+    """A pick of a remote expert (id E) with a NaN or huge weight: no path lets it through."""
+    module = _experts(kind)
+    e = module.num_experts
+    gen = torch.Generator().manual_seed(SEED + 5)
+    hidden = torch.randn(6, 32, generator=gen)
+    index, weights = _routing(6, e, 2, gen)
+    remote = torch.zeros_like(index, dtype=torch.bool)
+    remote[::2, 1] = True
+    index = torch.where(remote, e, index)
+    poisoned = torch.where(remote, torch.tensor([float("nan")]), weights)
+    clean = torch.where(remote, 0.0, weights)
+    with torch.no_grad():
+        want = cpu_path.cpu_inference_forward(module, hidden, index, clean)
+        chunked = cpu_path.cpu_inference_forward(module, hidden, index, poisoned)
+    composed = forward.composed_experts_forward(module, hidden, index, poisoned)  # gradients enabled
+    assert torch.isfinite(chunked).all() and torch.isfinite(composed).all()
+    torch.testing.assert_close(chunked, want)
+    torch.testing.assert_close(composed.detach(), want, rtol=1e-5, atol=1e-5)

@@ -6,8 +6,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+import moe_experts_tpu
 import ragged_dot_tpu
 import tiny_experts
+from moe_experts_tpu.experts import module_layout
 
 NAME = "ragged_dot_tpu_test"
 CALLS = []
@@ -15,7 +17,7 @@ CALLS = []
 
 def _counted_experts_forward(module, hidden_states, top_k_index, top_k_weights):
     CALLS.append(type(module).__name__)
-    return ragged_dot_tpu.experts_forward(module, hidden_states, top_k_index, top_k_weights)
+    return moe_experts_tpu.experts_forward(module, hidden_states, top_k_index, top_k_weights)
 
 
 ALL_EXPERTS_FUNCTIONS.register(NAME, _counted_experts_forward)
@@ -37,7 +39,7 @@ MODELS = {
                         layer_types=["full_attention", "sliding_attention"]),
 }
 FUSED = "ragged_dot_tpu_fused_interpret_test"
-ALL_EXPERTS_FUNCTIONS.register(FUSED, ragged_dot_tpu.experts.fused_experts_forward_interpret)
+ALL_EXPERTS_FUNCTIONS.register(FUSED, moe_experts_tpu.fused_experts_forward_interpret)
 
 
 def _model(kind, implementation, dtype=torch.float32):
@@ -116,25 +118,25 @@ def test_expert_parallel_sentinels_add_nothing(kind):
     index = torch.randint(0, e, (6, 2))
     weights = torch.rand(6, 2)
     remote = torch.tensor([[True, False], [False, False], [True, True], [False, True], [False, False], [True, False]])
-    with_sentinels = ragged_dot_tpu.experts_forward(
+    with_sentinels = moe_experts_tpu.experts_forward(
         experts, hidden, torch.where(remote, e, index), torch.where(remote, 0.0, weights))
     # Reference: same picks, remote ones given zero weight on a real expert.
-    local_only = ragged_dot_tpu.experts_forward(experts, hidden, torch.where(remote, 0, index),
+    local_only = moe_experts_tpu.experts_forward(experts, hidden, torch.where(remote, 0, index),
                                                 torch.where(remote, 0.0, weights))
     torch.testing.assert_close(with_sentinels, local_only)
-    assert (ragged_dot_tpu.experts_forward(experts, hidden[2:3], torch.full((1, 2), e),
+    assert (moe_experts_tpu.experts_forward(experts, hidden[2:3], torch.full((1, 2), e),
                                            torch.zeros(1, 2)) == 0).all()
 
 
 def test_compiles_fullgraph_static():
     model = _model("qwen3_moe", "eager")
     experts = model.model.layers[0].mlp.experts
-    fn = torch.compile(ragged_dot_tpu.experts_forward, fullgraph=True, dynamic=False)
+    fn = torch.compile(moe_experts_tpu.experts_forward, fullgraph=True, dynamic=False)
     hidden = torch.randn(5, 64)
     index = torch.randint(0, 8, (5, 2))
     weights = torch.rand(5, 2)
     torch.testing.assert_close(fn(experts, hidden, index, weights),
-                               ragged_dot_tpu.experts_forward(experts, hidden, index, weights))
+                               moe_experts_tpu.experts_forward(experts, hidden, index, weights))
 
 
 LAYOUT_MODULES = {
@@ -157,17 +159,17 @@ def test_other_expert_layouts_match_module_eager(name):
     assert experts.config._experts_implementation in (None, "eager")
     with torch.no_grad():
         want = experts(hidden, index, weights)  # the module's own eager loop
-        got = ragged_dot_tpu.experts_forward(experts, hidden, index, weights)
+        got = moe_experts_tpu.experts_forward(experts, hidden, index, weights)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_fused_program_refuses_what_it_cannot_express():
     nemotron = _experts_module("nemotron_h")
     with pytest.raises(NotImplementedError, match="activation ReLUSquaredActivation"):
-        ragged_dot_tpu.experts.gate_of_module(nemotron)
+        module_layout.gate_of_module(nemotron)
     muse = _experts_module("muse_spark")
     with pytest.raises(NotImplementedError, match="post-expert norm"):
-        ragged_dot_tpu.experts._fused_args(muse)
+        module_layout.program_args(muse)
 
     class CustomGate(type(_model("qwen3_moe", "eager").model.layers[0].mlp.experts)):
         def _apply_gate(self, gate_up):
@@ -177,7 +179,7 @@ def test_fused_program_refuses_what_it_cannot_express():
     custom = CustomGate.__new__(CustomGate)
     custom.__dict__.update(_model("qwen3_moe", "eager").model.layers[0].mlp.experts.__dict__)
     with pytest.raises(NotImplementedError, match="overrides _apply_gate"):
-        ragged_dot_tpu.experts.gate_of_module(custom)
+        module_layout.gate_of_module(custom)
 
 
 @pytest.mark.parametrize("case", ["one_expert_only", "single_token", "zero_tokens"])
@@ -196,7 +198,7 @@ def test_routing_edge_cases_match_module_eager(case, kind):
     weights = torch.rand(tokens, 2, generator=gen)
     with torch.no_grad():
         want = type(experts).forward.__wrapped__(experts, hidden, index, weights)
-        got = ragged_dot_tpu.experts_forward(experts, hidden, index, weights)
+        got = moe_experts_tpu.experts_forward(experts, hidden, index, weights)
     assert got.shape == (tokens, 64)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -206,7 +208,8 @@ def test_fused_program_both_matmul_paths_match_eager(fused_kernel):
     """The fused experts kernel and the two-matmul path of the JAX program, interpret mode."""
     import jax.numpy as jnp
 
-    from ragged_dot_tpu import experts_jax, jax_bridge
+    from moe_experts_tpu.common import pallas_helpers
+    from moe_experts_tpu.experts import program
 
     experts = _model("qwen3_moe", "eager").model.layers[0].mlp.experts
     gen = torch.Generator().manual_seed(10)
@@ -217,8 +220,40 @@ def test_fused_program_both_matmul_paths_match_eager(fused_kernel):
     with torch.no_grad():
         want = type(experts).forward.__wrapped__(experts, hidden, index.clamp(max=7),
                                                  torch.where(index == 8, 0.0, weights))
-        got = experts_jax.experts_forward(
+        got = program.experts_forward(
             *(jnp.asarray(t.detach().numpy()) for t in (hidden, index, weights, experts.gate_up_proj,
                                                         experts.down_proj)),
-            gate="glu_silu", fused=fused_kernel, interpret=jax_bridge.interpret_params())
+            gate="glu_silu", fused=fused_kernel, interpret=pallas_helpers.interpret_params())
     torch.testing.assert_close(torch.from_numpy(np.array(got)), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["eager", "EAGER", "eager ", "grouped_mm", "Batched_MM", "", "has space", 3])
+def test_register_refuses_builtin_and_malformed_names(name):
+    before = dict(ALL_EXPERTS_FUNCTIONS._global_mapping)
+    with pytest.raises(ValueError, match="register: "):
+        moe_experts_tpu.register(name)
+    assert ALL_EXPERTS_FUNCTIONS._global_mapping == before
+
+
+def test_register_refuses_a_name_taken_by_another_function_unless_overridden():
+    ALL_EXPERTS_FUNCTIONS.register("someone_elses_experts", _counted_experts_forward)
+    with pytest.raises(ValueError, match="already registered to another function"):
+        moe_experts_tpu.register("someone_elses_experts")
+    assert ALL_EXPERTS_FUNCTIONS["someone_elses_experts"] is _counted_experts_forward
+    assert moe_experts_tpu.register("someone_elses_experts", override=True) == "someone_elses_experts"
+    assert ALL_EXPERTS_FUNCTIONS["someone_elses_experts"] is moe_experts_tpu.experts_forward
+    # Ours (any build) may be registered again under its name.
+    assert moe_experts_tpu.register("someone_elses_experts") == "someone_elses_experts"
+    assert moe_experts_tpu.register() == "moe_experts_tpu"
+
+
+def test_ragged_dot_tpu_keeps_the_v1_experts_api():
+    """get_kernel(".../ragged-dot-tpu", version=1).experts_forward, as users call it today."""
+    module = _experts_module("qwen3_moe")
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(5, module.down_proj.shape[1], generator=gen)
+    index = torch.randint(0, module.num_experts, (5, 2), generator=gen)
+    weights = torch.rand(5, 2, generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(ragged_dot_tpu.experts_forward(module, hidden, index, weights),
+                                   module(hidden, index, weights), rtol=1e-5, atol=1e-5)

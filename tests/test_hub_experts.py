@@ -56,34 +56,34 @@ def cache(out, tmp_path_factory) -> Path:
 
 
 def test_shared_sources_live_once_in_the_tree():
-    own = _sources(MOE_PKG)
-    assert sorted(own) == ["__init__.py", "registration.py"]
-    shared = set(_sources(SHARED_PKG).values())
-    assert not [rel for rel, content in own.items() if content in shared]
+    """Each component lives in one folder; no file is written twice."""
+    folders = [MOE_PKG, SHARED_PKG, ROOT / "kernels" / "common"]
+    seen: dict[bytes, str] = {}
+    for folder in folders:
+        for rel, content in _sources(folder).items():
+            if rel.endswith("_ops.py"):  # the namespace stub, rendered per build
+                continue
+            assert content not in seen, f"{folder / rel} repeats {seen[content]}"
+            seen[content] = str(folder / rel)
+    assert sorted(_sources(MOE_PKG)) == sorted(["__init__.py", "_ops.py", *(
+        f"experts/{rel}" for rel in _sources(MOE_PKG / "experts"))])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_built_variant_copies_shared_sources(out, backend):
+    from test_build import COMMON, expected_package
+
     variant = out / MOE / "build" / f"torch-{backend}"
     files = tree_bytes(variant)
-    shared = _sources(SHARED_PKG)
-    assert sorted(files) == sorted({"__init__.py", "registration.py", "_ops.py", "metadata.json",
-                                    *(f"_ragged_dot/{rel}" for rel in shared)})
-    for rel, content in shared.items():
+    want = expected_package(MOE_PKG, {"common": COMMON, "gmm": SHARED_PKG / "gmm"})
+    assert sorted(files) == sorted({*want, "metadata.json"})
+    for rel, content in want.items():
         if rel != "_ops.py":
-            assert files[f"_ragged_dot/{rel}"] == content, rel
-    for rel, content in _sources(MOE_PKG).items():
-        assert files[rel] == content
-
-    # The copied _ops.py carries this build's namespace, as the package's own does;
-    # only its NAMESPACE line differs from the source.
+            assert files[rel] == content, rel
+    # One _ops.py, this build's namespace, which is not ragged-dot-tpu's.
     ns = _namespace(variant / "_ops.py")
     assert re.fullmatch(r"_moe_experts_tpu_[0-9a-f]{10}", ns)
-    assert _namespace(variant / "_ragged_dot" / "_ops.py") == ns
-    src, built = (SHARED_PKG / "_ops.py").read_text().splitlines(), (variant / "_ragged_dot/_ops.py").read_text().splitlines()
-    assert len(src) == len(built) and [i for i, (a, b) in enumerate(zip(src, built)) if a != b] == [
-        next(i for i, line in enumerate(src) if line.startswith("NAMESPACE ="))]
-    # ...which is not ragged-dot-tpu's.
+    assert [rel for rel in files if rel.rsplit("/", 1)[-1] == "_ops.py"] == ["_ops.py"]
     assert _namespace(out / RAGGED / "build" / f"torch-{backend}" / "_ops.py") != ns
 
 
@@ -102,7 +102,7 @@ def test_metadata_and_digest(out, backend):
     if head.returncode == 0:
         status = subprocess.run(
             ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=all", "--",
-             "kernels/moe-experts", "kernels/ragged-dot/torch-ext/ragged_dot_tpu",
+             "kernels/moe-experts", "kernels/ragged-dot/torch-ext/ragged_dot_tpu/gmm", "kernels/common",
              "hub_manifests/moe-experts-tpu.toml"],
             capture_output=True, text=True, check=True,
         ).stdout
@@ -129,7 +129,7 @@ def test_source_tree_package_explains_itself():
     code = "import sys; sys.path.insert(0, sys.argv[1]); import moe_experts_tpu"
     r = subprocess.run([sys.executable, "-c", code, str(MOE_PKG.parent)], capture_output=True, text=True)
     assert r.returncode != 0
-    assert "ImportError: moe_experts_tpu: the shared ragged-dot sources" in r.stderr
+    assert "ImportError: moe_experts_tpu: the shared sources (subpackages `gmm`, `common`) are missing" in r.stderr
     assert "build/hub.py" in r.stderr
 
 
@@ -293,9 +293,8 @@ def test_both_kernels_in_one_process_have_distinct_namespaces(user_flow):
     moe, ragged = info["kernels"]["moe"], info["kernels"]["ragged"]
     assert re.fullmatch(r"_moe_experts_tpu_[0-9a-f]{10}", moe["namespace"])
     assert re.fullmatch(r"_ragged_dot_tpu_[0-9a-f]{10}", ragged["namespace"])
-    # Every _ops module of a kernel (the moe kernel has two: its own and the
-    # shared copy) names that kernel's namespace.
-    assert set(moe["ops_modules"]) == {f"{moe['id']}._ops", f"{moe['id']}._ragged_dot._ops"}
+    # One _ops module per kernel (shared code reaches it as `.._ops`), naming that kernel's namespace.
+    assert set(moe["ops_modules"]) == {f"{moe['id']}._ops"}
     assert set(moe["ops_modules"].values()) == {moe["namespace"]}
     assert set(ragged["ops_modules"].values()) == {ragged["namespace"]}
     # The same shared ops, registered twice, once per namespace.

@@ -14,7 +14,8 @@ import pytest
 from jax.experimental import pallas as pl
 
 import reference
-from ragged_dot_tpu import jax_bridge, pallas_gmm
+from ragged_dot_tpu.common import pallas_helpers
+from ragged_dot_tpu.gmm import pallas_gmm
 
 SEED = int(os.environ.get("TEST_SEED", np.random.SeedSequence().entropy % (2**31)))
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=1e-2, atol=1e-2)}
@@ -50,7 +51,7 @@ def _assert_close(got, want, dtype, k, what):
 def _gmm(lhs, rhs, sizes, layout, dtype, **kw):
     return pallas_gmm.gmm(
         jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype), jnp.asarray(sizes),
-        rhs_layout=layout, interpret=jax_bridge.interpret_params(), **kw,
+        rhs_layout=layout, interpret=pallas_helpers.interpret_params(), **kw,
     )
 
 
@@ -58,7 +59,7 @@ def _tgmm(lhs, dout, sizes, num_local, layout, dtype, **kw):
     return pallas_gmm.tgmm(
         jnp.asarray(lhs, dtype), jnp.asarray(dout, dtype), jnp.asarray(sizes),
         num_local_groups=num_local, rhs_layout=layout,
-        interpret=jax_bridge.interpret_params(), **kw,
+        interpret=pallas_helpers.interpret_params(), **kw,
     )
 
 
@@ -70,7 +71,7 @@ def test_poisoning_is_active():
 
     out = pl.pallas_call(
         writes_nothing, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
-        interpret=jax_bridge.interpret_params(),
+        interpret=pallas_helpers.interpret_params(),
     )(jnp.ones((8, 128), jnp.float32))
     assert np.isnan(np.asarray(out)).all()
 
@@ -164,7 +165,7 @@ def test_visit_count_skips_empty_groups():
 @pytest.mark.parametrize("kind", ["random", "with_zeros", "all_empty"])
 def test_fused_glu_experts_kernel(kind):
     """gate_up -> silu(gate) * up -> down in one kernel, against a float64 loop."""
-    from ragged_dot_tpu import pallas_fused_experts
+    from moe_experts_tpu.experts import pallas_fused_experts
 
     rng = np.random.default_rng([SEED, 400 + KINDS.index(kind)])
     m, h, i, e = int(rng.integers(1, 60)), 128, 48, 5
@@ -174,7 +175,7 @@ def test_fused_glu_experts_kernel(kind):
     sizes = reference.random_group_sizes(rng, e, m, kind).astype(np.int32)
     got = pallas_fused_experts.fused_glu_experts(
         jnp.asarray(x), jnp.asarray(gate_up), jnp.asarray(down), jnp.asarray(sizes),
-        gate="glu_silu", tm=8, interpret=jax_bridge.interpret_params())
+        gate="glu_silu", tm=8, interpret=pallas_helpers.interpret_params())
     want = np.zeros((m, h))
     starts, ends = reference.bounds(sizes)
     for g in range(e):

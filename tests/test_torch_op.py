@@ -12,11 +12,12 @@ import torch
 
 import reference
 import ragged_dot_tpu
-from ragged_dot_tpu import ops
+from ragged_dot_tpu.common import torch_ops
+from ragged_dot_tpu.gmm import ops
 
 SEED = int(os.environ.get("TEST_SEED", np.random.SeedSequence().entropy % (2**31)))
 IMPLS = ["native", "interpret"]
-TORCH_EXT = os.path.join(os.path.dirname(__file__), "..", "kernels", "ragged-dot", "torch-ext")
+from conftest import DEV_TREE
 
 
 def _case(layout, dtype=torch.float32, m=29, k=24, n=20, sizes=(6, 0, 11, 3, 0), seed=0):
@@ -130,7 +131,10 @@ BAD_INPUTS = [
     ("rhs_layout must be", lambda l, r, s: (l, r, s, {"rhs_layout": "kk"})),
     ("one device", lambda l, r, s: (l, r.to("meta"), s, {})),
     ("impl must be", lambda l, r, s: (l, r, s, {"impl": "cuda"})),
-    ("tiling: give all", lambda l, r, s: (l, r, s, {"tiling": (8, 0, 0)})),
+    ("tiling must be None or three ints", lambda l, r, s: (l, r, s, {"tiling": (8, 128)})),
+    ("tiling must be None or three ints", lambda l, r, s: (l, r, s, {"tiling": (8.0, 128, 128)})),
+    ("tm must be a positive multiple of 8", lambda l, r, s: (l, r, s, {"tiling": (-8, -8, -8)})),
+    ("tk must be a positive multiple of 128", lambda l, r, s: (l, r, s, {"tiling": (8, 5, 7)})),
 ]
 
 
@@ -142,15 +146,18 @@ def test_bad_input_raises_clear_error(message, make):
         ragged_dot_tpu.ragged_dot(a, b, c, **kwargs)
 
 
-def test_bad_tiling_raises_before_mosaic():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bad_tiling_raises_the_same_error_on_every_path(impl):
     lhs, rhs, sizes = _case("nk")
-    with pytest.raises(ValueError, match="tk: expected a positive multiple of 128"):
-        ragged_dot_tpu.ragged_dot(lhs, rhs, sizes, tiling=(8, 100, 20), impl="interpret")
+    with pytest.raises(ValueError, match="tk must be a positive multiple of 128"):
+        ragged_dot_tpu.ragged_dot(lhs, rhs, sizes, tiling=(8, 100, 20), impl=impl)
+    with pytest.raises(ValueError, match="tm must be a positive multiple of 8"):
+        ragged_dot_tpu.ragged_dot(lhs, rhs, sizes, tiling=(3, 24, 20), impl=impl)
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
     """Runs code in a fresh interpreter (torch_tpu may abort a CPU host)."""
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(TORCH_EXT))
+    env = dict(os.environ, PYTHONPATH=str(DEV_TREE))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
                           capture_output=True, text=True, timeout=300)
 
@@ -168,15 +175,18 @@ def test_missing_jax_gives_clear_import_error():
             print("ImportError:", e)
     """)
     assert "native ok torch.Size([4, 3])" in result.stdout, result.stderr[-2000:]
-    assert "ImportError: ragged_dot_tpu: the Pallas kernels need the 'jax' package" in result.stdout
+    assert "ImportError: ragged_dot: the Pallas kernels need the 'jax' package" in result.stdout
 
 
 def test_tpu_ops_register_with_jax_op_and_infer_shapes():
     result = _run("""
         import torch, ragged_dot_tpu
         from torch._subclasses.fake_tensor import FakeTensorMode
-        tpu_ops = ragged_dot_tpu.register_tpu_ops()
-        fwd, wgrad = tpu_ops["ragged_dot"], tpu_ops["weight_grad"]
+        import moe_experts_tpu
+        from moe_experts_tpu.experts import forward
+        ops = ragged_dot_tpu.TPU_OPS.register_all()
+        fwd, wgrad = ops["ragged_dot_tpu"], ops["ragged_dot_weight_grad_tpu"]
+        experts_op = forward.TPU_OPS.get("experts_forward_tpu")
         with FakeTensorMode():
             lhs = torch.empty(512, 2048, dtype=torch.bfloat16)
             rhs = torch.empty(128, 1536, 2048, dtype=torch.bfloat16)
@@ -185,24 +195,25 @@ def test_tpu_ops_register_with_jax_op_and_infer_shapes():
             dw = wgrad(lhs, torch.empty(512, 1536, dtype=torch.bfloat16), sizes, 128, "nk", 0,
                        torch.bfloat16, 0, 0, 0)
             hidden = torch.empty(4, 64, dtype=torch.bfloat16)
-            experts_out = tpu_ops["experts"](
+            experts_out = experts_op(
                 hidden, torch.empty(4, 2, dtype=torch.int64), torch.empty(4, 2, dtype=torch.bfloat16),
                 torch.empty(8, 64, 64, dtype=torch.bfloat16), torch.empty(8, 64, 32, dtype=torch.bfloat16),
                 None, None, "glu_silu", 0.0, 0.0, "nk")
         print("experts", tuple(experts_out.shape), experts_out.dtype)
         print("fwd", tuple(out.shape), out.dtype)
         print("wgrad", tuple(dw.shape), dw.dtype)
-        print("name", fwd._qualname)
+        print("name", fwd._qualname, experts_op._qualname)
     """)
     if result.returncode != 0 and "TPU_LIBRARY_PATH" in result.stderr:
-        pytest.skip("torch_tpu aborted on this CPU host (DESIGN.md section 8)")
+        pytest.skip("torch_tpu aborted on this CPU host (docs/ARCHITECTURE.md)")
     assert "fwd (512, 1536) torch.float32" in result.stdout, result.stderr[-3000:]
     assert "wgrad (128, 1536, 2048) torch.bfloat16" in result.stdout
     assert "experts (4, 64) torch.bfloat16" in result.stdout
-    assert "_ragged_dot_tpu_dev::ragged_dot_tpu" in result.stdout
+    assert f"{ragged_dot_tpu.NAMESPACE}::ragged_dot_tpu" in result.stdout
+    assert "_moe_experts_tpu_" in result.stdout.split("name")[-1]
 
 
-@pytest.mark.skipif(not ops.tpu_available(), reason="needs a TPU device: execution of the Mosaic kernel "
+@pytest.mark.skipif(not torch_ops.tpu_available(), reason="needs a TPU device: execution of the Mosaic kernel "
                     "is checked by AOT compilation and interpret mode on this host")
 def test_runs_on_tpu():  # pragma: no cover - only on a TPU VM
     lhs, rhs, sizes = _case("nk", torch.bfloat16)

@@ -2,15 +2,18 @@
 
 ``ragged_dot(lhs, rhs, group_sizes)`` runs the Mosaic kernel on ``tpu``
 tensors and a torch-native path (or the Pallas kernel in interpret mode) on
-CPU. jax is imported only when a Pallas path runs.
+CPU. ``experts_forward`` is the Transformers experts implementation built on
+it (the moe-experts component, also shipped as moe-experts-tpu). jax is
+imported only when a Pallas path runs.
+
+Assembled by build/hub.py (hub_manifests/ragged-dot-tpu.toml): this module,
+``gmm/`` (the grouped matmul), ``experts/`` (the experts layer) and
+``common/`` (the shared toolkit).
 """
 
 from ._ops import NAMESPACE
-from . import experts
-from .experts import experts_forward
-from .ops import ragged_dot, register_tpu_ops
-from .tiling import Tiling, choose_tiling
+from .experts.forward import experts_forward
+from .gmm.ops import TPU_OPS, ragged_dot
+from .gmm.tiling import Tiling, choose_tiling
 
-__all__ = [
-    "NAMESPACE", "Tiling", "choose_tiling", "experts_forward", "ragged_dot", "register_tpu_ops",
-]
+__all__ = ["NAMESPACE", "TPU_OPS", "Tiling", "choose_tiling", "experts_forward", "ragged_dot"]

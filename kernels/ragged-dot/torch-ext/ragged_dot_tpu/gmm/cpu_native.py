@@ -14,8 +14,6 @@ group in ``SPARSE_WINDOW_RATIO`` is non-empty (decode: 8 of 128 experts).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from . import layouts
@@ -42,18 +40,44 @@ def new_output(like: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
     return like.new_empty(shape, dtype=dtype)
 
 
+def _grouped_mm_strides_ok(t: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` (CPU, torch 2.13) takes ``t`` as it is: of the
+    last two dims one has unit stride and the other a stride that spans it and
+    is a multiple of 16 bytes; a batch dim (weights) must not be broadcast."""
+    rows, cols = t.shape[-2:]
+    row_stride, col_stride = t.stride()[-2:]
+    if col_stride == 1 or cols == 1:
+        lead, span = row_stride, cols
+    elif row_stride == 1 or rows == 1:
+        lead, span = col_stride, rows
+    else:
+        return False
+    if lead < span or (lead * t.element_size()) % 16:
+        return False
+    return t.dim() == 2 or t.shape[0] == 1 or t.stride(0) >= rows * cols
+
+
 def _grouped_mm_or_none(x: torch.Tensor, rhs: torch.Tensor, sizes: list[int], rhs_layout: str):
-    """One ``torch._grouped_mm`` call, or None where it does not apply."""
+    """One ``torch._grouped_mm`` call, or None where it does not apply.
+
+    Operands with strides it refuses (broadcast rows or experts, a stepped or
+    permuted view, the stride-0 gradient of a ``sum``) are copied contiguous
+    first: the copy is no larger than the operand, and the alternative, a loop
+    of matmuls, costs more than a copy at the sizes where this path is taken.
+    What stays unaligned when contiguous (a row of K * itemsize not a multiple
+    of 16 bytes) goes to the loop instead (None).
+    """
     if not hasattr(torch, "_grouped_mm") or x.dtype != rhs.dtype:
         return None
-    offsets = torch.tensor(sizes, dtype=torch.int32).cumsum_(0, dtype=torch.int32)
-    weights = rhs.transpose(1, 2) if rhs_layout == "nk" else rhs
-    try:
-        return torch._grouped_mm(x, weights, offs=offsets)
-    except RuntimeError as e:  # strides that are not 16-byte multiples: the loop takes those
-        if "multiple of 16 bytes" not in str(e):
-            raise
+    weights = rhs.transpose(1, 2) if rhs_layout == "nk" else rhs  # [G, K, N] view
+    if not _grouped_mm_strides_ok(x):
+        x = x.contiguous()
+    if not _grouped_mm_strides_ok(weights):
+        weights = rhs.contiguous().transpose(1, 2) if rhs_layout == "nk" else rhs.contiguous()
+    if not (_grouped_mm_strides_ok(x) and _grouped_mm_strides_ok(weights)):
         return None
+    offsets = torch.tensor(sizes, dtype=torch.int32).cumsum_(0, dtype=torch.int32)
+    return torch._grouped_mm(x, weights, offs=offsets)
 
 
 def grouped_matmul(
@@ -74,9 +98,10 @@ def grouped_matmul(
         if end <= start:
             continue
         lhs, w = x[start:end], _as_kn(rhs[g], rhs_layout)
-        if lhs.dtype != out_dtype:  # e.g. bf16 inputs, f32 output
-            lhs, w = lhs.to(out_dtype), w.to(out_dtype)
-        torch.mm(lhs, w, out=out[start:end])
+        if lhs.dtype == out_dtype:
+            torch.mm(lhs, w, out=out[start:end])
+        else:  # f32 products and sums, rounded once to out_dtype (bf16 in / f32 out, or the reverse)
+            out[start:end] = torch.mm(lhs.float(), w.float()).to(out_dtype)
     return out
 
 
@@ -128,64 +153,3 @@ def ragged_dot_weight_grad(
         g = dy.t() @ x if rhs_layout == "nk" else x.t() @ dy
         grad[local] = g.to(out_dtype)
     return grad
-
-
-# ----------------------------------------------------------------------------
-# Row chunks for the CPU experts path
-# ----------------------------------------------------------------------------
-
-
-class RowChunk(NamedTuple):
-    """Sorted rows ``[row_start, row_end)`` of experts ``first_expert + i``,
-    ``sizes[i]`` rows each (every row of the chunk belongs to one of them)."""
-
-    row_start: int
-    row_end: int
-    first_expert: int
-    sizes: list[int]
-
-
-def plan_row_chunks(sizes: list[int], max_rows: int) -> list[RowChunk]:
-    """Cuts the sorted rows into chunks of at most ``max_rows`` rows.
-
-    Whole experts are packed greedily (so each expert's weights are read once
-    per forward); an expert with more than ``max_rows`` rows is split into the
-    fewest pieces of at most ``max_rows``, of equal size (+-1), so that no
-    piece is a small, inefficient matmul. Empty experts at the edges of a
-    chunk are left out.
-    """
-    if max_rows < 1:
-        raise ValueError(f"plan_row_chunks: max_rows must be >= 1, got {max_rows}")
-    chunks: list[RowChunk] = []
-    open_first, open_sizes, open_start = None, [], 0
-    row = 0
-
-    def close():
-        nonlocal open_first, open_sizes
-        if open_first is not None:
-            while open_sizes and open_sizes[-1] == 0:
-                open_sizes.pop()
-            chunks.append(RowChunk(open_start, open_start + sum(open_sizes), open_first, open_sizes))
-        open_first, open_sizes = None, []
-
-    for expert, size in enumerate(sizes):
-        if size == 0:
-            if open_first is not None:
-                open_sizes.append(0)
-            continue
-        if open_first is not None and sum(open_sizes) + size > max_rows:
-            close()
-        if size > max_rows:
-            pieces = -(-size // max_rows)  # balanced: 560 rows at max 546 -> 280 + 280, not 546 + 14
-            piece_start = row
-            for p in range(pieces):
-                piece = size // pieces + (p < size % pieces)
-                chunks.append(RowChunk(piece_start, piece_start + piece, expert, [piece]))
-                piece_start += piece
-        else:
-            if open_first is None:
-                open_first, open_start = expert, row
-            open_sizes.append(size)
-        row += size
-    close()
-    return chunks

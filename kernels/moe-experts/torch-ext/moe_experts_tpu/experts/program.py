@@ -17,39 +17,18 @@ the same MXU work, so it is always the one taken (the roofline model in
 bench/bench_experts.py: equal at decode, 1.1x at 1024 tokens, 1.4x at 4096).
 
 The gate is named, not traced from the module, because a JAX program cannot
-call the module's torch code: ``gate_of_module`` maps the module to a name
-here or raises NotImplementedError, so nothing silently differs.
+call the module's torch code: ``module_layout.gate_of_module`` maps the module
+to a name of ``gates.py`` or raises NotImplementedError, so nothing silently
+differs.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-from . import pallas_fused_experts, pallas_gmm
-
-ACTIVATIONS = {
-    "silu": jax.nn.silu,
-    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "relu": jax.nn.relu,
-}
-
-
-def apply_gate(h, gate: str, alpha: float, limit: float):
-    """``gate`` is ``"<act>"`` (ungated), ``"glu_<act>"`` (act(gate) * up on
-    the two halves) or ``"gpt_oss"`` (interleaved, clamped SwiGLU)."""
-    h = h.astype(jnp.float32)
-    if gate == "gpt_oss":
-        g, u = h[:, ::2], h[:, 1::2]
-        g = jnp.minimum(g, limit)
-        u = jnp.clip(u, -limit, limit)
-        return (u + 1.0) * (g * jax.nn.sigmoid(g * alpha))
-    if gate.startswith("glu_"):
-        g, u = jnp.split(h, 2, axis=-1)
-        return ACTIVATIONS[gate[4:]](g) * u
-    return ACTIVATIONS[gate](h)
-
+from ..gmm import pallas_gmm
+from . import pallas_fused_experts
+from .gates import apply_gate
 
 def experts_forward(
     hidden_states,  # [T, H]
@@ -89,13 +68,15 @@ def experts_forward(
             x, up_weight, down_weight, group_sizes, gate=gate, out_dtype=jnp.float32,
             tm=fused_tm, generation=generation, interpret=interpret)
         return _combine(out, order, remote, top_k_weights, num_tokens, top_k, hidden, hidden_states.dtype)
+    # Both matmuls get the chip's tiles and VMEM limit (without generation=,
+    # a v4 would be given v6e's and overflow its 16 MiB).
     h = pallas_gmm.gmm(x, up_weight, group_sizes, rhs_layout=rhs_layout,
-                       out_dtype=jnp.float32, interpret=interpret)
+                       out_dtype=jnp.float32, generation=generation, interpret=interpret)
     if up_bias is not None:
         h = h + up_bias[safe_ids].astype(jnp.float32)
     act = apply_gate(h, gate, alpha, limit).astype(down_weight.dtype)
     out = pallas_gmm.gmm(act, down_weight, group_sizes, rhs_layout=rhs_layout,
-                         out_dtype=jnp.float32, interpret=interpret)
+                         out_dtype=jnp.float32, generation=generation, interpret=interpret)
     if down_bias is not None:
         out = out + down_bias[safe_ids].astype(jnp.float32)
     return _combine(out, order, remote, top_k_weights, num_tokens, top_k, hidden, hidden_states.dtype)

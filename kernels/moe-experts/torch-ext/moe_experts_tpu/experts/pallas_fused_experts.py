@@ -26,7 +26,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import pallas_gmm, tiling as tiling_lib
+from ..common import pallas_helpers, tpu_generations
+from ..common.tile_math import sublane
+from ..gmm import pallas_gmm, tiling as tiling_lib
+from .gates import glu_activation
 
 
 def working_set_bytes(tm: int, hidden: int, inter: int, itemsize: int) -> int:
@@ -40,12 +43,12 @@ def fused_row_tile(gate: str, rhs_layout: str, m: int, hidden: int, inter: int, 
     """Rows per tile for the fused kernel, or None where it cannot be used."""
     if not gate.startswith("glu_") or rhs_layout != "nk":
         return None
-    min_rows = tiling_lib.sublane(itemsize)
+    min_rows = sublane(itemsize)
     if inter % min_rows:  # gate / up halves are row blocks of gate_up
         return None
     tm = tiling_lib.choose_tiling(max(m, 1), hidden, 2 * inter, num_experts, lhs_itemsize=itemsize,
                                   rhs_itemsize=itemsize, out_itemsize=4, generation=generation).tm
-    budget = tiling_lib.get_generation(generation).vmem_budget
+    budget = tpu_generations.get_generation(generation).vmem_budget
     while working_set_bytes(tm, hidden, inter, itemsize) > budget:
         if tm <= min_rows:
             return None
@@ -60,13 +63,13 @@ def _kernel(seg_ref, tile_ref, seg_start_ref, seg_end_ref,
     seg, tile = seg_ref[v], tile_ref[v]
     is_local = (seg > 0) & (seg < num_segments - 1)
     x = x_ref[...]
-    dot = functools.partial(pallas_gmm._dot, contract_x=1, contract_w=1)
+    dot = functools.partial(pallas_helpers.dot_f32, contract_x=1, contract_w=1)
     g = dot(x, gate_ref[...])
     u = dot(x, up_ref[...])
     h = (activation(g) * u).astype(down_ref.dtype)
     y = dot(h, down_ref[...])
     y = jnp.where(is_local, y, jnp.zeros_like(y))
-    mine = pallas_gmm._row_mask(out_ref.shape, tile, tm, seg_start_ref[seg], seg_end_ref[seg])
+    mine = pallas_helpers.row_mask(out_ref.shape, tile, tm, seg_start_ref[seg], seg_end_ref[seg])
     continues_tile = (v > 0) & (tile_ref[jnp.maximum(v - 1, 0)] == tile)
     previous = jnp.where(continues_tile, out_ref[...], jnp.zeros_like(out_ref))
     out_ref[...] = jnp.where(mine, y.astype(out_ref.dtype), previous)
@@ -75,8 +78,6 @@ def _kernel(seg_ref, tile_ref, seg_start_ref, seg_end_ref,
 def fused_glu_experts(x, gate_up, down, group_sizes, *, gate: str, out_dtype=None,
                       tm: int | None = None, generation: str | None = None, interpret=False):
     """``down[g] @ (act(gate_up[g][:I] @ x) * (gate_up[g][I:] @ x))`` per row of group g."""
-    from .experts_jax import ACTIVATIONS
-
     m, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter = two_inter // 2
@@ -102,14 +103,14 @@ def fused_glu_experts(x, gate_up, down, group_sizes, *, gate: str, out_dtype=Non
     ]
     out_spec = pl.BlockSpec((tm, hidden), lambda v, seg, tile, *_: (tile[v], 0))
     kernel = functools.partial(_kernel, tm=tm, num_segments=num_experts + 2,
-                               activation=ACTIVATIONS[gate[4:]])
+                               activation=glu_activation(gate))
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, hidden), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4, grid=(num_visits,), in_specs=in_specs, out_specs=out_spec,
         ),
-        compiler_params=pallas_gmm._compiler_params(generation, ("arbitrary",)),
+        compiler_params=pallas_helpers.compiler_params(generation, ("arbitrary",)),
         interpret=interpret,
         name="fused_glu_experts",
     )(seg, tile, seg_starts, seg_ends, x, gate_up, gate_up, down)

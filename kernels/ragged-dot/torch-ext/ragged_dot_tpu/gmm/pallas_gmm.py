@@ -31,6 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ..common.pallas_helpers import compiler_params, dot_f32, row_mask, zero_past
+from ..common.tile_math import cdiv
 from . import layouts, tiling as tiling_lib
 
 RhsLayout = Literal["nk", "kn"]
@@ -39,10 +41,6 @@ RhsLayout = Literal["nk", "kn"]
 # ----------------------------------------------------------------------------
 # Routing metadata (plain XLA, runs before the kernel)
 # ----------------------------------------------------------------------------
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def local_window(group_sizes, group_offset, num_local_groups):
@@ -92,44 +90,9 @@ def forward_visits(group_sizes, group_offset, num_local: int, *, m: int, tm: int
     seg_starts = jnp.concatenate([zero, local_starts, local_ends[-1:]])
     seg_ends = jnp.concatenate([local_starts[:1], local_ends, zero + m])
     seg, tile, num_visits = make_visits(
-        seg_starts, seg_ends, tm=tm, tiles_m=_cdiv(m, tm), visit_empty=False
+        seg_starts, seg_ends, tm=tm, tiles_m=cdiv(m, tm), visit_empty=False
     )
     return seg, tile, num_visits, seg_starts, seg_ends
-
-
-def _row_mask(shape, tile, tm, start, end):
-    rows = tile * tm + lax.broadcasted_iota(jnp.int32, shape, 0)
-    return (rows >= start) & (rows < end)
-
-
-def _zero_past(x, axis: int, valid):
-    """Zeros entries of ``x`` at positions ``>= valid`` along ``axis``.
-
-    The select runs in 32 bits: Mosaic cannot broadcast a mask over packed
-    16-bit rows when the block has fewer rows than a native tile (decode).
-    """
-    idx = lax.broadcasted_iota(jnp.int32, x.shape, axis)
-    wide = x.astype(jnp.float32)
-    return jnp.where(idx < valid, wide, jnp.zeros_like(wide)).astype(x.dtype)
-
-
-def _dot(x, w, contract_x: int, contract_w: int):
-    # Full-precision passes for f32 operands; 16-bit operands are exact in one.
-    wide = x.dtype == jnp.float32 or w.dtype == jnp.float32
-    return lax.dot_general(
-        x,
-        w,
-        (((contract_x,), (contract_w,)), ((), ())),
-        preferred_element_type=jnp.float32,
-        precision=lax.Precision.HIGHEST if wide else None,
-    )
-
-
-def _compiler_params(generation, semantics):
-    gen = tiling_lib.get_generation(generation)
-    return pltpu.CompilerParams(
-        dimension_semantics=semantics, vmem_limit_bytes=gen.vmem_limit
-    )
 
 
 # ----------------------------------------------------------------------------
@@ -157,9 +120,9 @@ def _gmm_kernel(
         x, w = lhs_ref[...], rhs_ref[...]
         if mask_k_tail:  # garbage past K on both sides (0 * NaN is NaN)
             valid = k - k_i * tk
-            x = _zero_past(x, 1, valid)
-            w = _zero_past(w, w_contract, valid)
-        acc_ref[...] += _dot(x, w, 1, w_contract)
+            x = zero_past(x, 1, valid)
+            w = zero_past(w, w_contract, valid)
+        acc_ref[...] += dot_f32(x, w, 1, w_contract)
 
     k_rem = k % tk
     if k_rem == 0:
@@ -170,7 +133,7 @@ def _gmm_kernel(
 
     @pl.when(k_i == tiles_k - 1)
     def _store():
-        mine = _row_mask(out_ref.shape, tile, tm, seg_start_ref[seg], seg_end_ref[seg])
+        mine = row_mask(out_ref.shape, tile, tm, seg_start_ref[seg], seg_end_ref[seg])
         # The first visit of a row tile owns it; later visits (next segments in
         # the same tile) merge into what is already in VMEM.
         continues_tile = (v > 0) & (tile_ref[jnp.maximum(v - 1, 0)] == tile)
@@ -195,11 +158,11 @@ def gmm(
     num_local = rhs.shape[0]
     n = layouts.out_features(rhs.shape, rhs_layout)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-    if m == 0:
-        return jnp.zeros((0, n), out_dtype)
+    if 0 in (m, k, n):  # nothing to compute; an empty contraction sums to zero
+        return jnp.zeros((m, n), out_dtype)
     t = _resolve_tiling(tiling, m, k, n, num_local, lhs, rhs, out_dtype, generation)
     tm, tk, tn = t.as_tuple()
-    tiles_m, tiles_k, tiles_n = _cdiv(m, tm), _cdiv(k, tk), _cdiv(n, tn)
+    tiles_m, tiles_k, tiles_n = cdiv(m, tm), cdiv(k, tk), cdiv(n, tn)
 
     seg, tile, num_visits, seg_starts, seg_ends = forward_visits(
         group_sizes, group_offset, num_local, m=m, tm=tm
@@ -245,7 +208,7 @@ def gmm(
             out_specs=out_spec,
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
         ),
-        compiler_params=_compiler_params(
+        compiler_params=compiler_params(
             generation, ("parallel", "arbitrary", "arbitrary")
         ),
         interpret=interpret,
@@ -279,12 +242,12 @@ def _tgmm_kernel(
     x = lhs_ref[...]
     dy = dout_ref[...]
     # Rows of other groups and rows past M (garbage) must not contribute.
-    x = jnp.where(_row_mask(x.shape, tile, tm, start, end), x, jnp.zeros_like(x))
-    dy = jnp.where(_row_mask(dy.shape, tile, tm, start, end), dy, jnp.zeros_like(dy))
+    x = jnp.where(row_mask(x.shape, tile, tm, start, end), x, jnp.zeros_like(x))
+    dy = jnp.where(row_mask(dy.shape, tile, tm, start, end), dy, jnp.zeros_like(dy))
     if rhs_layout == "kn":
-        acc_ref[...] += _dot(x, dy, 0, 0)  # [tk, tn]
+        acc_ref[...] += dot_f32(x, dy, 0, 0)  # [tk, tn]
     else:
-        acc_ref[...] += _dot(dy, x, 0, 0)  # [tn, tk]
+        acc_ref[...] += dot_f32(dy, x, 0, 0)  # [tn, tk]
 
     @pl.when(ends_group)
     def _store():
@@ -309,11 +272,11 @@ def tgmm(
     n = dout.shape[1]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     out_shape = layouts.weight_shape(num_local_groups, k, n, rhs_layout)
-    if m == 0:
+    if 0 in (m, k, n):  # no rows: every group's gradient is zero
         return jnp.zeros(out_shape, out_dtype)
     t = _resolve_tiling(tiling, m, k, n, num_local_groups, lhs, dout, out_dtype, generation)
     tm, tk, tn = t.as_tuple()
-    tiles_m, tiles_k, tiles_n = _cdiv(m, tm), _cdiv(k, tk), _cdiv(n, tn)
+    tiles_m, tiles_k, tiles_n = cdiv(m, tm), cdiv(k, tk), cdiv(n, tn)
 
     seg_starts, seg_ends = local_window(group_sizes, group_offset, num_local_groups)
     seg, tile, num_visits = make_visits(
@@ -356,7 +319,7 @@ def tgmm(
             out_specs=out_spec,
             scratch_shapes=[pltpu.VMEM(acc_shape, jnp.float32)],
         ),
-        compiler_params=_compiler_params(
+        compiler_params=compiler_params(
             generation, ("parallel", "parallel", "arbitrary")
         ),
         interpret=interpret,

@@ -1,0 +1,56 @@
+"""In-kernel pieces every Pallas TPU kernel here is built from: the
+f32-accumulating dot, row masks, tail zeroing, Mosaic compiler parameters and
+the poisoning interpreter. Imports jax: import it only on a Pallas path
+(``tile_math`` holds the pure-Python tile arithmetic).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import tpu as pltpu
+
+from . import tpu_generations
+
+
+def row_mask(shape, tile, tm: int, start, end):
+    """True for the rows of block ``tile`` (``tm`` rows each) inside ``[start, end)``."""
+    rows = tile * tm + lax.broadcasted_iota(jnp.int32, shape, 0)
+    return (rows >= start) & (rows < end)
+
+
+def zero_past(x, axis: int, valid):
+    """Zeros the entries of ``x`` at positions ``>= valid`` along ``axis``.
+
+    The select runs in 32 bits: Mosaic cannot broadcast a mask over packed
+    16-bit rows when the block has fewer rows than a native tile (decode).
+    """
+    idx = lax.broadcasted_iota(jnp.int32, x.shape, axis)
+    wide = x.astype(jnp.float32)
+    return jnp.where(idx < valid, wide, jnp.zeros_like(wide)).astype(x.dtype)
+
+
+def dot_f32(x, w, contract_x: int, contract_w: int):
+    """``x . w`` over one axis each, accumulated in f32.
+
+    f32 operands take the full-precision MXU passes; 16-bit operands are exact
+    in one pass.
+    """
+    wide = x.dtype == jnp.float32 or w.dtype == jnp.float32
+    return lax.dot_general(
+        x, w, (((contract_x,), (contract_w,)), ((), ())),
+        preferred_element_type=jnp.float32,
+        precision=lax.Precision.HIGHEST if wide else None,
+    )
+
+
+def compiler_params(generation: str | None, semantics: tuple[str, ...]):
+    """Mosaic parameters: grid semantics and the generation's scoped VMEM limit."""
+    gen = tpu_generations.get_generation(generation)
+    return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=gen.vmem_limit)
+
+
+def interpret_params():
+    """The TPU interpreter with poisoned memory: every output element a kernel
+    fails to write, and every out-of-bounds read, comes back as NaN."""
+    return pltpu.InterpretParams(out_of_bounds_reads="uninitialized", uninitialized_memory="nan")

@@ -1,0 +1,94 @@
+"""Facts about TPU generations that kernels size their tiles by.
+
+Measured on this project's CPU host with an AOT VMEM probe through libtpu
+(jax 0.10.2's ``pltpu`` TPU-info tables agree):
+
+=========  =============  ====================  =========
+chip       VMEM per core  default scoped limit  MXU width
+=========  =============  ====================  =========
+v4         16 MiB         16 MiB                128
+v5e        128 MiB        16 MiB                128
+v5p        64 MiB         16 MiB                128
+v6e        128 MiB        32 MiB                256
+=========  =============  ====================  =========
+
+A kernel whose working set passes the default scoped limit must pass its
+own ``vmem_limit_bytes``. The rule here: every kernel asks for
+``vmem_limit = min(32 MiB, VMEM)`` and keeps its double-buffered tiles within
+``vmem_budget = 3/4`` of that, leaving a quarter for Mosaic's own scratch.
+
+Pure Python: ``current_generation()`` imports jax only when called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+MIB = 1 << 20
+KERNEL_VMEM_LIMIT = 32 * MIB
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuGeneration:
+    name: str
+    vmem_bytes: int  # physical VMEM per TensorCore
+    default_scoped_vmem: int  # Mosaic's limit when a kernel sets none
+    mxu: int  # systolic array width (lanes of an MXU operand tile)
+
+    @property
+    def vmem_limit(self) -> int:
+        """Scoped VMEM limit every kernel passes to Mosaic."""
+        return min(KERNEL_VMEM_LIMIT, self.vmem_bytes)
+
+    @property
+    def vmem_budget(self) -> int:
+        """Bytes a kernel's double-buffered tiles may use."""
+        return self.vmem_limit * 3 // 4
+
+
+GENERATIONS = {
+    g.name: g
+    for g in (
+        TpuGeneration("v4", 16 * MIB, 16 * MIB, 128),
+        TpuGeneration("v5e", 128 * MIB, 16 * MIB, 128),
+        TpuGeneration("v5p", 64 * MIB, 16 * MIB, 128),
+        TpuGeneration("v6e", 128 * MIB, 32 * MIB, 256),
+    )
+}
+# Used when no TPU is attached (CPU interpret mode, tests) and no generation is named.
+DEFAULT_GENERATION = "v6e"
+
+
+def get_generation(name: str | None) -> TpuGeneration:
+    """The facts of generation ``name`` (``None``: the default)."""
+    name = name or DEFAULT_GENERATION
+    if name not in GENERATIONS:
+        raise ValueError(f"generation: expected one of {sorted(GENERATIONS)} or None, got {name!r}")
+    return GENERATIONS[name]
+
+
+def generation_from_device_kind(kind: str | None) -> str:
+    """Key of a jax ``device_kind`` string ("TPU v5 lite", "TPU v6e", ...)."""
+    if not kind:
+        return DEFAULT_GENERATION
+    k = kind.lower().replace(" ", "")
+    if "v6" in k:
+        return "v6e"
+    if "v5lite" in k or "v5e" in k:
+        return "v5e"
+    if "v5" in k:
+        return "v5p"
+    if "v4" in k:
+        return "v4"
+    return DEFAULT_GENERATION
+
+
+def current_generation() -> str:
+    """Generation of the TPU this process runs on (the default without one)."""
+    import jax
+
+    try:
+        device = jax.devices()[0]
+    except RuntimeError:
+        return DEFAULT_GENERATION
+    return generation_from_device_kind(device.device_kind if device.platform == "tpu" else None)

@@ -1,0 +1,14 @@
+"""The MoE experts component: copied as ``experts/`` into moe-experts-tpu and
+ragged-dot-tpu (whose ``experts_forward`` v1 API it serves).
+
+* ``module_layout``: what a Transformers experts module is (flags, weights,
+  the named gate), the expert MLP written once for every torch path;
+* ``routing``: sort by expert, rows per expert (static shapes);
+* ``validation``: argument checks of ``experts_forward``;
+* ``cpu_path``: CPU inference in chunks of sorted rows;
+* ``gates``: the gates of the TPU program, in JAX;
+* ``pallas_fused_experts``: the fused gate_up -> gate -> down Pallas kernel;
+* ``program``: the whole layer as one JAX program (the TPU inference path);
+* ``forward``: ``experts_forward``, the choice of path, the composed path;
+* ``registration``: ``register()`` into Transformers' ``ALL_EXPERTS_FUNCTIONS``.
+"""

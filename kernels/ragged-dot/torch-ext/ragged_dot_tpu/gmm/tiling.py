@@ -1,0 +1,104 @@
+"""Tile sizes of the grouped matmul kernels, chosen per TPU generation.
+
+The rule (used by the forward and both backward kernels):
+
+* ``tm`` (rows per tile) follows the average group size, not a fixed 512:
+  ``tm = next_pow2(ceil(M / G))`` clamped to ``[sublane, tm_max]``. At decode
+  (64 tokens x top-8 over 128 experts, M=512) a group holds ~4 rows, so a
+  512-row tile would spend >99% of its MXU work on masked rows; the smallest
+  legal tile (8 rows for 32-bit, 16 for 16-bit operands, the sublane packing)
+  keeps the wasted work to one tile per group boundary. In prefill the groups
+  are large and tm grows to amortise the per-step overhead.
+* ``tk`` covers the whole contraction dim when it fits (``K <= tk_max``): the
+  kernel then streams each expert's weights exactly once per output column
+  tile, consecutive tiles of one group reuse the weight block already in VMEM,
+  and no tail masking along K is needed.
+* ``tn`` covers the whole output dim up to ``tn_max`` (a multiple of the MXU
+  width of the generation).
+* If the double-buffered working set exceeds the generation's VMEM budget
+  (``common.tpu_generations``), halve the larger of tk / tn (staying
+  lane-aligned) until it fits.
+
+A caller overrides the rule with all three sizes at once (``tiling=(tm, tk,
+tn)``), checked by ``validate_tiling``; there is no partial override.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..common import tpu_generations
+from ..common.tile_math import halve_lane_aligned, next_pow2, sublane
+
+
+@dataclasses.dataclass(frozen=True)
+class TileCaps:
+    """Largest tiles the rule picks on a generation (multiples of its MXU width)."""
+
+    tm_max: int
+    tn_max: int
+    tk_max: int
+
+
+TILE_CAPS = {
+    "v4": TileCaps(512, 512, 2048),  # 16 MiB of VMEM: a smaller whole-K tile
+    "v5e": TileCaps(512, 512, 4096),
+    "v5p": TileCaps(512, 512, 4096),
+    "v6e": TileCaps(512, 1024, 4096),  # 256-wide MXU: output tiles of 256 multiples
+}
+assert set(TILE_CAPS) == set(tpu_generations.GENERATIONS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    tm: int
+    tk: int
+    tn: int
+
+    def as_tuple(self) -> tuple[int, int, int]:
+        return (self.tm, self.tk, self.tn)
+
+
+def working_set_bytes(t: Tiling, lhs_bytes: int, rhs_bytes: int, out_bytes: int) -> int:
+    """Double-buffered lhs, rhs and out tiles plus the f32 accumulator."""
+    io = t.tm * t.tk * lhs_bytes + t.tk * t.tn * rhs_bytes + t.tm * t.tn * out_bytes
+    return 2 * io + t.tm * t.tn * 4
+
+
+def row_tile(m: int, num_groups: int, itemsize: int, generation: str | None) -> int:
+    """``tm`` of the rule: the average group size, as a legal row block."""
+    caps = TILE_CAPS[tpu_generations.get_generation(generation).name]
+    sub = sublane(itemsize)
+    rows_per_group = -(-max(m, 1) // max(num_groups, 1))
+    tm = min(max(next_pow2(rows_per_group), sub), caps.tm_max)
+    # Never larger than M rounded up to the sublane tile; below one native
+    # tile, the whole (tiny) M is the block, which is always legal.
+    return m if m < 8 else min(tm, -(-m // sub) * sub)
+
+
+def choose_tiling(m: int, k: int, n: int, num_groups: int, *, lhs_itemsize: int, rhs_itemsize: int,
+                  out_itemsize: int, generation: str | None = None) -> Tiling:
+    """Applies the rule of the module docstring."""
+    gen = tpu_generations.get_generation(generation)
+    caps = TILE_CAPS[gen.name]
+    t = Tiling(row_tile(m, num_groups, min(lhs_itemsize, out_itemsize), gen.name),
+               min(k, caps.tk_max), min(n, caps.tn_max))
+    while working_set_bytes(t, lhs_itemsize, rhs_itemsize, out_itemsize) > gen.vmem_budget:
+        if t.tk > 128 and (t.tk >= t.tn or t.tn <= gen.mxu):
+            t = Tiling(t.tm, halve_lane_aligned(t.tk), t.tn)
+        elif t.tn > gen.mxu:
+            t = Tiling(t.tm, t.tk, halve_lane_aligned(t.tn))
+        else:
+            break  # unreachable for K, N >= 128 at the budgets above; Mosaic would report it
+    return t
+
+
+def validate_tiling(t: Tiling, m: int, k: int, n: int) -> None:
+    """Block-shape legality on TPU: (8, 128)-aligned or the full dim."""
+    if t.tm <= 0 or (t.tm % 8 and t.tm != m):
+        raise ValueError(f"tiling: tm must be a positive multiple of 8 or M={m}, got {t.tm}")
+    for name, size, dim in (("tk", t.tk, k), ("tn", t.tn, n)):
+        if size <= 0 or (size % 128 and size != dim):
+            raise ValueError(f"tiling: {name} must be a positive multiple of 128 or the full "
+                             f"dimension {dim}, got {size}")
+
