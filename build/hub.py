@@ -690,22 +690,32 @@ def tree_files(tree: Path) -> dict[str, Path]:
     """Relative path -> file of a built tree, sorted; no bytecode, no hidden files."""
     if not _looks_built(tree):
         raise BuildError(f"{tree} is not a built kernel repo (no build.toml and build/)")
+    return _files_under(tree)
+
+
+def _files_under(root: Path) -> dict[str, Path]:
+    """Relative path -> file under root, sorted; no bytecode, no hidden files."""
     out = {}
-    for dirpath, dirnames, filenames in os.walk(tree):
+    for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not _is_skipped(d))
         for f in sorted(filenames):
             if not _is_skipped(f) and not f.endswith((".pyc", ".pyo")):
                 p = Path(dirpath) / f
-                out[p.relative_to(tree).as_posix()] = p
+                out[p.relative_to(root).as_posix()] = p
     return dict(sorted(out.items()))
 
 
 def verify_tree(tree: Path) -> list[str]:
-    """Check every variant of a built tree against its metadata.json digest (the
-    check `kernels` 0.17.2 makes only in `kernels verify-signature`, after a
-    signature this build does not make). Returns the variants checked; raises
-    BuildError naming the first changed, missing or extra file."""
-    files = tree_files(tree)
+    """Check every variant of a built tree (or one variant folder, e.g. the one
+    `get_kernel` loaded: `Path(k.__file__).parent`) against its metadata.json
+    digest: the check `kernels` 0.17.2 makes only in `kernels verify-signature`,
+    after a signature this build does not make. Returns the variants checked;
+    raises BuildError naming the first changed, missing or added file."""
+    tree = Path(tree)
+    if (tree / "metadata.json").is_file():  # a single variant folder
+        files = {f"build/{tree.name}/{rel}": p for rel, p in _files_under(tree).items()}
+    else:
+        files = tree_files(tree)
     variants = sorted({rel.split("/")[1] for rel in files if rel.startswith("build/") and rel.count("/") >= 2})
     if not variants:
         raise BuildError(f"{tree}: no build/<variant>/ folders")

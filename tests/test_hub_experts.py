@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_build import hub, run_hub, tree_bytes
+from test_build import git_dirty, git_head, hub, run_hub, tree_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 ORG = "hub-test-org"  # not the manifests' org: the repo ids follow --org
@@ -61,11 +61,9 @@ def test_shared_sources_live_once_in_the_tree():
     seen: dict[bytes, str] = {}
     for folder in folders:
         for rel, content in _sources(folder).items():
-            if rel.endswith("_ops.py"):  # the namespace stub, rendered per build
-                continue
             assert content not in seen, f"{folder / rel} repeats {seen[content]}"
             seen[content] = str(folder / rel)
-    assert sorted(_sources(MOE_PKG)) == sorted(["__init__.py", "_ops.py", *(
+    assert sorted(_sources(MOE_PKG)) == sorted(["__init__.py", *(
         f"experts/{rel}" for rel in _sources(MOE_PKG / "experts"))])
 
 
@@ -76,10 +74,9 @@ def test_built_variant_copies_shared_sources(out, backend):
     variant = out / MOE / "build" / f"torch-{backend}"
     files = tree_bytes(variant)
     want = expected_package(MOE_PKG, {"common": COMMON, "gmm": SHARED_PKG / "gmm"})
-    assert sorted(files) == sorted({*want, "metadata.json"})
+    assert sorted(files) == sorted({*want, "_ops.py", "metadata.json"})
     for rel, content in want.items():
-        if rel != "_ops.py":
-            assert files[rel] == content, rel
+        assert files[rel] == content, rel
     # One _ops.py, this build's namespace, which is not ragged-dot-tpu's.
     ns = _namespace(variant / "_ops.py")
     assert re.fullmatch(r"_moe_experts_tpu_[0-9a-f]{10}", ns)
@@ -98,15 +95,10 @@ def test_metadata_and_digest(out, backend):
     assert md.backend.backend_type == Backend.from_str(backend)
     md.digest.validate(Digest.hash_variant(md.digest.algorithm, variant))
     # The shared sources count towards `dirty`: their folder is part of this kernel's sources.
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
-    if head.returncode == 0:
-        status = subprocess.run(
-            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=all", "--",
-             "kernels/moe-experts", "kernels/ragged-dot/torch-ext/ragged_dot_tpu/gmm", "kernels/common",
-             "hub_manifests/moe-experts-tpu.toml"],
-            capture_output=True, text=True, check=True,
-        ).stdout
-        assert md.provenance.kernel.dirty == bool(status.strip())
+    if git_head():
+        assert md.provenance.kernel.dirty == git_dirty(
+            "kernels/moe-experts", "kernels/ragged-dot/torch-ext/ragged_dot_tpu/gmm", "kernels/common",
+            "hub_manifests/moe-experts-tpu.toml")
 
 
 def test_card_and_build_toml(out):
