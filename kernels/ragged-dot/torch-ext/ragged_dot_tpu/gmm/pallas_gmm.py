@@ -198,23 +198,10 @@ def gmm(
             + m * n * out_dtype.itemsize
         ),
     )
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(tiles_n, num_visits, tiles_k),
-            in_specs=[lhs_spec, rhs_spec],
-            out_specs=out_spec,
-            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
-        ),
-        compiler_params=compiler_params(
-            generation, ("parallel", "arbitrary", "arbitrary")
-        ),
-        interpret=interpret,
-        cost_estimate=cost,
-        name=f"ragged_dot_gmm_{rhs_layout}",
-    )(seg, tile, seg_starts, seg_ends, lhs, rhs)
+    call = _visits_call(kernel, (m, n), out_dtype, (tiles_n, num_visits, tiles_k), [lhs_spec, rhs_spec],
+                        out_spec, (tm, tn), ("parallel", "arbitrary", "arbitrary"), cost,
+                        f"ragged_dot_gmm_{rhs_layout}", generation, interpret)
+    return call(seg, tile, seg_starts, seg_ends, lhs, rhs)
 
 
 # ----------------------------------------------------------------------------
@@ -309,23 +296,28 @@ def tgmm(
             + num_local_groups * k * n * out_dtype.itemsize
         ),
     )
+    call = _visits_call(kernel, out_shape, out_dtype, grid, [lhs_spec, dout_spec], out_spec, acc_shape,
+                        ("parallel", "parallel", "arbitrary"), cost, f"ragged_dot_tgmm_{rhs_layout}",
+                        generation, interpret)
+    return call(seg, tile, seg_starts, seg_ends, lhs, dout)
+
+
+def _visits_call(kernel, out_shape, out_dtype, grid, in_specs, out_spec, acc_shape, semantics, cost, name,
+                 generation, interpret):
+    """The pallas_call both kernels share: four scalar-prefetched visit arrays
+    (segment and tile of each visit, segment row bounds), an f32 accumulator."""
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=grid,
-            in_specs=[lhs_spec, dout_spec],
-            out_specs=out_spec,
+            num_scalar_prefetch=4, grid=grid, in_specs=in_specs, out_specs=out_spec,
             scratch_shapes=[pltpu.VMEM(acc_shape, jnp.float32)],
         ),
-        compiler_params=compiler_params(
-            generation, ("parallel", "parallel", "arbitrary")
-        ),
+        compiler_params=compiler_params(generation, semantics),
         interpret=interpret,
         cost_estimate=cost,
-        name=f"ragged_dot_tgmm_{rhs_layout}",
-    )(seg, tile, seg_starts, seg_ends, lhs, dout)
+        name=name,
+    )
 
 
 def _resolve_tiling(tiling, m, k, n, num_groups, lhs, rhs, out_dtype, generation):
