@@ -6,7 +6,7 @@ environment of scripts/env.sh, HF_HUB_OFFLINE=1 and HF_HUB_CACHE pointing at
 the cache `hub.py install-cache` filled:
 
     python build/smoke.py --method get_local_kernel|LOCAL_KERNELS|hub-cache \
-        --path DIST/<name> --repo-id ORG/NAME --version N --entry ragged_dot|moe_experts
+        --path DIST/<name> --repo-id ORG/NAME --version N --entry ragged_dot|moe_experts|attention
 
 or, to load several kernels from the cache into one process (their torch ops
 must not collide) and smoke each there:
@@ -166,7 +166,58 @@ def smoke_moe_experts(kernel) -> dict:
     return {"ok": not problems, "max_err": max_err, "detail": problems, "cases": len(fns) + 1}
 
 
-SMOKES = {"ragged_dot": smoke_ragged_dot, "moe_experts": smoke_moe_experts}
+def smoke_attention(kernel) -> dict:
+    """attention (GQA, causal, left padding) against a float64 loop on the
+    default CPU path and the Pallas kernel in interpret mode; then register()
+    and a tiny random Llama's logits on a left-padded batch against eager."""
+    import numpy as np
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    gen = torch.Generator().manual_seed(0)
+    b, hq, hkv, sq, d = 2, 4, 2, 7, 16
+    q, k, v = (torch.randn(b, h, sq, d, generator=gen) for h in (hq, hkv, hkv))
+    pad = [0, 3]
+    visible = torch.tensor([[[[pad[i] <= j <= t for j in range(sq)] for t in range(sq)]] for i in range(b)])
+    want = np.zeros((b, hq, sq, d))
+    q64, k64, v64 = (t.double().numpy() for t in (q, k, v))
+    for i in range(b):
+        for h in range(hq):
+            for t in range(sq):
+                keys = visible[i, 0, t].numpy()
+                if keys.any():
+                    s = k64[i, h // (hq // hkv)][keys] @ q64[i, h, t] * d ** -0.5
+                    w = np.exp(s - s.max())
+                    want[i, h, t] = (w / w.sum()) @ v64[i, h // (hq // hkv)][keys]
+    max_err, problems = 0.0, []
+    for impl in ("auto", "interpret"):
+        got = kernel.attention(q, k, v, attention_mask=visible, impl=impl).double().numpy()
+        err = float(np.abs(got - want).max())
+        max_err = max(max_err, err)
+        if not err <= 1e-4:
+            problems.append(f"attention impl={impl}: max abs error {err:.3g} > 1e-4")
+
+    config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, 128, (2, 9), generator=gen)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        eager = model(input_ids=ids, attention_mask=mask).logits
+        name = kernel.register("attention_tpu_smoke")
+        model.set_attn_implementation(name)
+        ours = model(input_ids=ids, attention_mask=mask).logits
+    err = float((ours - eager)[mask.bool()].abs().max())
+    max_err = max(max_err, err)
+    if not err <= 1e-4:
+        problems.append(f"model logits ({name}): max abs error {err:.3g} > 1e-4")
+    return {"ok": not problems, "max_err": max_err, "detail": problems, "cases": 3}
+
+
+SMOKES = {"ragged_dot": smoke_ragged_dot, "moe_experts": smoke_moe_experts, "attention": smoke_attention}
 
 
 def load(method: str, path: Path | None, repo_id: str, version: int):

@@ -64,3 +64,41 @@ def random_group_sizes(rng, num_groups, m, kind):
     else:
         raise ValueError(kind)
     return sizes
+
+
+def attention(q, k, v, visible, *, scale, softcap=0.0, sinks=None):
+    """Attention one query row at a time in float64. ``visible [B, 1 or Hq, Sq, Skv]``
+    (True = attend); a row that sees no key is 0; sinks join the denominator."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    visible = np.asarray(visible, dtype=bool)
+    b_, hq, sq, _ = q.shape
+    hkv, dv = k.shape[1], v.shape[-1]
+    out = np.zeros((b_, hq, sq, dv))
+    for b in range(b_):
+        for h in range(hq):
+            kh = h // (hq // hkv)
+            for i in range(sq):
+                vis = visible[b, h if visible.shape[1] > 1 else 0, i]
+                if not vis.any():
+                    continue
+                s = k[b, kh][vis] @ q[b, h, i] * scale
+                if softcap:
+                    s = softcap * np.tanh(s / softcap)
+                logits = s if sinks is None else np.concatenate([s, [float(sinks[h])]])
+                w = np.exp(logits - logits.max())
+                w /= w.sum()
+                out[b, h, i] = w[: vis.sum()] @ v[b, kh][vis]
+    return out
+
+
+def attention_rule_mask(kv_start, kv_end, sq, skv, *, causal, window):
+    """``[B, 1, Sq, Skv]``: keys in [start, end), queries aligned to the end,
+    causal and window rules on positions (written independently of the kernel)."""
+    out = np.zeros((len(kv_start), 1, sq, skv), dtype=bool)
+    for b, (start, end) in enumerate(zip(kv_start, kv_end)):
+        for i in range(sq):
+            pos = end - sq + i
+            for j in range(skv):
+                out[b, 0, i, j] = (start <= j < end and (not causal or j <= pos)
+                                   and (not window or j > pos - window))
+    return out

@@ -1,0 +1,232 @@
+"""attention-tpu on CPU: the Pallas kernel in interpret mode and the native path
+against a float64 loop, masks and block skipping, the torch op, errors."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import attention_tpu
+import reference
+from attention_tpu.attention import blocks, masks, pallas_flash
+
+SEED = int(os.environ.get("TEST_SEED", np.random.SeedSequence().entropy % (2**31)))
+IMPLS = ["native", "interpret"]
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+# (batch, q heads, kv heads, Sq, Skv, D, Dv): MHA, GQA, MQA, decode, Dv != D, tails.
+SHAPES = {
+    "mha": (2, 2, 2, 9, 9, 16, 16),
+    "gqa_prefill_tails": (2, 4, 2, 13, 13, 32, 32),
+    "mqa_decode": (2, 8, 1, 1, 37, 16, 16),
+    "few_tokens_long_cache": (1, 4, 2, 3, 300, 16, 16),
+    "dv_differs": (1, 4, 2, 6, 11, 16, 8),
+}
+FEATURES = {
+    "plain_causal": dict(causal=True),
+    "not_causal": dict(causal=False),
+    "window": dict(causal=True, window=4),
+    "softcap": dict(causal=True, softcap=5.0),
+    "sinks": dict(causal=True, sinks=True),
+    "all": dict(causal=True, window=3, softcap=5.0, sinks=True, scale=0.37),
+}
+
+
+def _inputs(shape, dtype, seed):
+    b, hq, hkv, sq, skv, d, dv = shape
+    gen = torch.Generator().manual_seed(SEED + seed)
+    q = torch.randn(b, hq, sq, d, generator=gen).to(dtype)
+    k = torch.randn(b, hkv, skv, d, generator=gen).to(dtype)
+    v = torch.randn(b, hkv, skv, dv, generator=gen).to(dtype)
+    sinks = torch.randn(hq, generator=gen)
+    return q, k, v, sinks
+
+
+def _padded_ranges(b, skv):
+    """Batch row 0 uses every key, row 1 is left-padded and its cache is not full."""
+    start = np.array([0, min(2, skv - 1)][:b], dtype=np.int32)
+    end = np.array([skv, max(skv - 1, start[-1] + 1)][:b], dtype=np.int32)
+    return start, end
+
+
+def _check(got, want, dtype, what):
+    got = got.detach().to(torch.float64).numpy()
+    assert not np.isnan(got).any(), f"{what}: NaN (unwritten or unmasked) elements, seed={SEED}"
+    np.testing.assert_allclose(got, want, rtol=TOL[dtype], atol=TOL[dtype], err_msg=f"{what} seed={SEED}")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_matches_float64_loop(impl, feature, shape):
+    opts = dict(FEATURES[feature])
+    use_sinks = opts.pop("sinks", False)
+    q, k, v, sinks = _inputs(SHAPES[shape], torch.float32, seed=len(shape) + len(feature))
+    b, _, _, sq, skv, d, _ = SHAPES[shape]
+    start, end = _padded_ranges(b, skv)
+    visible = reference.attention_rule_mask(start, end, sq, skv, causal=opts.get("causal", True),
+                                            window=opts.get("window", 0))
+    scale = opts.get("scale", d ** -0.5)
+    got = attention_tpu.attention(q, k, v, attention_mask=torch.from_numpy(visible),
+                                  sinks=sinks if use_sinks else None, impl=impl, **opts)
+    want = reference.attention(q, k, v, visible, scale=scale, softcap=opts.get("softcap", 0.0),
+                               sinks=sinks.numpy() if use_sinks else None)
+    assert got.shape == (*q.shape[:3], v.shape[-1]) and got.dtype == q.dtype
+    _check(got, want, torch.float32, f"{impl} {shape} {feature}")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bf16(impl):
+    q, k, v, sinks = _inputs(SHAPES["gqa_prefill_tails"], torch.bfloat16, seed=3)
+    visible = reference.attention_rule_mask([0, 3], [13, 13], 13, 13, causal=True, window=0)
+    got = attention_tpu.attention(q, k, v, attention_mask=torch.from_numpy(visible), sinks=sinks, impl=impl)
+    want = reference.attention(q.float(), k.float(), v.float(), visible, scale=32 ** -0.5, sinks=sinks.numpy())
+    assert got.dtype == torch.bfloat16
+    _check(got, want, torch.bfloat16, f"{impl} bf16")
+
+
+@pytest.mark.parametrize("block_sizes", [(8, 128), (16, 128), (24, 256)])
+def test_several_blocks_with_tails_and_skipping(block_sizes):
+    """Keys and rows span several blocks (tails in both), blocks are skipped by the
+    causal and window rules; the interpreter poisons what is never written."""
+    q, k, v, sinks = _inputs((2, 4, 2, 20, 300, 16, 16), torch.float32, seed=5)
+    start, end = np.array([0, 37], np.int32), np.array([300, 290], np.int32)
+    for causal, window in ((True, 0), (True, 50), (False, 0)):
+        visible = reference.attention_rule_mask(start, end, 20, 300, causal=causal, window=window)
+        got = attention_tpu.attention(q, k, v, attention_mask=torch.from_numpy(visible), causal=causal,
+                                      window=window, block_sizes=block_sizes, impl="interpret")
+        want = reference.attention(q, k, v, visible, scale=0.25)
+        _check(got, want, torch.float32, f"blocks {block_sizes} causal={causal} window={window}")
+
+
+def test_mask_none_means_the_rule_over_every_key():
+    q, k, v, _ = _inputs(SHAPES["few_tokens_long_cache"], torch.float32, seed=6)
+    for causal, window in ((True, 0), (True, 40), (False, 0)):
+        visible = reference.attention_rule_mask([0], [300], 3, 300, causal=causal, window=window)
+        want = reference.attention(q, k, v, visible, scale=0.25)
+        for impl in IMPLS:
+            got = attention_tpu.attention(q, k, v, causal=causal, window=window, impl=impl)
+            _check(got, want, torch.float32, f"{impl} causal={causal} window={window}")
+
+
+def test_rows_that_see_no_key_are_zero():
+    q, k, v, _ = _inputs((1, 2, 2, 4, 8, 16, 16), torch.float32, seed=7)
+    # Keys [6, 8), queries at positions 4..7, causal: rows 0 and 1 see nothing.
+    visible = torch.from_numpy(reference.attention_rule_mask([6], [8], 4, 8, causal=True, window=0))
+    assert not visible[0, 0, :2].any() and visible[0, 0, 2:].any()
+    for impl in IMPLS:
+        out = attention_tpu.attention(q, k, v, attention_mask=visible, impl=impl)
+        assert (out[:, :, :2] == 0).all() and (out[:, :, 2:] != 0).any()
+
+
+def test_additive_float_mask_and_per_head_mask():
+    q, k, v, _ = _inputs(SHAPES["mha"], torch.float32, seed=8)
+    visible = reference.attention_rule_mask([0, 2], [9, 9], 9, 9, causal=True, window=0)
+    additive = torch.where(torch.from_numpy(visible), 0.0, torch.finfo(torch.float32).min)
+    per_head = torch.from_numpy(visible).expand(2, 2, 9, 9)
+    want = reference.attention(q, k, v, visible, scale=0.25)
+    for impl in IMPLS:
+        _check(attention_tpu.attention(q, k, v, attention_mask=additive, impl=impl), want, torch.float32, impl)
+        _check(attention_tpu.attention(q, k, v, attention_mask=per_head, impl=impl), want, torch.float32, impl)
+
+
+def test_a_mask_the_kernel_cannot_express_is_refused_on_its_path_and_exact_on_native():
+    """Packed sequences (two documents in one row): no key range + rule gives it."""
+    q, k, v, _ = _inputs(SHAPES["mha"], torch.float32, seed=9)
+    packed = np.tril(np.ones((9, 9), dtype=bool))
+    packed[5:, :5] = False  # the second document does not see the first
+    mask = torch.from_numpy(np.broadcast_to(packed, (2, 1, 9, 9)).copy())
+    with pytest.raises(ValueError, match="attention_mask is not expressible by the Pallas kernel's rule"):
+        attention_tpu.attention(q, k, v, attention_mask=mask, impl="interpret")
+    want = reference.attention(q, k, v, mask.numpy(), scale=0.25)
+    _check(attention_tpu.attention(q, k, v, attention_mask=mask), want, torch.float32, "native packed")
+
+
+def test_key_ranges_of_padding_and_static_cache_masks():
+    visible = reference.attention_rule_mask([3, 0], [7, 10], 2, 12, causal=True, window=0)
+    start, end = masks.key_ranges(torch.from_numpy(visible))
+    assert start.tolist() == [3, 0] and end.tolist() == [7, 10]
+    masks.check_expressible(torch.from_numpy(visible), start, end, causal=True, window=0)
+
+
+@pytest.mark.parametrize("sq,skv,causal,window,live_at_most", [
+    (8192, 8192, True, 0, 0.55),  # causal prefill: about half of the dense blocks
+    (8192, 8192, True, 128, 0.13),  # gpt-oss sliding window of 128
+    (1, 32768, True, 0, 0.04),  # decode against a static cache filled to 1000 keys
+])
+def test_masked_blocks_cost_no_compute_and_no_dma(sq, skv, causal, window, live_at_most):
+    kv_end = 1000 if sq == 1 else skv
+    live, fetched, dense = pallas_flash.kv_block_plan([0], [kv_end], rows=4 * sq, sq=sq, skv=skv,
+                                                      causal=causal, window=window)
+    assert live <= live_at_most * dense
+    assert fetched <= live + 1  # a skipped step re-uses the block in VMEM
+
+
+def test_block_rule_and_overrides():
+    assert blocks.choose_blocks(8, 32768) == (8, 512)  # one decode token of 8 heads: an 8-row block
+    assert blocks.choose_blocks(32768, 100) == (512, 100)
+    q, k, v, _ = _inputs(SHAPES["mha"], torch.float32, seed=10)
+    with pytest.raises(ValueError, match="block_k must be a multiple of 128"):
+        attention_tpu.attention(q, k, v, block_sizes=(8, 100), impl="interpret")
+    with pytest.raises(ValueError, match="block_q must be a multiple of 8"):
+        attention_tpu.attention(q, k, v, block_sizes=(5, 128), impl="interpret")
+
+
+BAD = [
+    ("query must be 4-D", lambda q, k, v: ((q[0], k, v), {})),
+    ("multiple of key/value heads", lambda q, k, v: ((torch.cat([q, q[:, :1]], 1), k, v), {})),
+    ("head_dim 8 differs", lambda q, k, v: ((q, k[..., :8], v), {})),
+    ("share heads and length", lambda q, k, v: ((q, k, v[:, :, :5]), {})),
+    ("one dtype", lambda q, k, v: ((q, k.bfloat16(), v), {})),
+    ("dtype must be one of", lambda q, k, v: ((q.double(), k.double(), v.double()), {})),
+    ("attention_mask must be", lambda q, k, v: ((q, k, v), {"attention_mask": torch.ones(2, 1, 9, 8, dtype=torch.bool)})),
+    ("sinks \\(s_aux\\) must be", lambda q, k, v: ((q, k, v), {"sinks": torch.zeros(3)})),
+    ("window must be", lambda q, k, v: ((q, k, v), {"window": -1})),
+    ("softcap must be", lambda q, k, v: ((q, k, v), {"softcap": float("inf")})),
+    ("one device", lambda q, k, v: ((q, k, v.to("meta")), {})),
+    ("impl must be", lambda q, k, v: ((q, k, v), {"impl": "cuda"})),
+]
+
+
+@pytest.mark.parametrize("message,make", BAD, ids=[m for m, _ in BAD])
+def test_bad_input_raises_clear_error(message, make):
+    q, k, v, _ = _inputs(SHAPES["mha"], torch.float32, seed=11)
+    args, kwargs = make(q, k, v)
+    with pytest.raises(ValueError, match="attention: .*" + message):
+        attention_tpu.attention(*args, **kwargs)
+
+
+def test_native_gradients_match_float64_autograd():
+    q, k, v, sinks = _inputs(SHAPES["gqa_prefill_tails"], torch.float32, seed=12)
+    visible = torch.from_numpy(reference.attention_rule_mask([0, 3], [13, 13], 13, 13, causal=True, window=5))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    attention_tpu.attention(*leaves[:3], attention_mask=visible, sinks=leaves[3], softcap=4.0).square().sum().backward()
+
+    def f64(q, k, v, sinks):  # an independent formulation: repeat K/V, dense softmax
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        s = 4.0 * torch.tanh((q @ k.transpose(-1, -2)) * 32 ** -0.5 / 4.0)
+        s = torch.cat([s.masked_fill(~visible, float("-inf")), sinks.view(1, -1, 1, 1).expand(2, -1, 13, 1)], -1)
+        return (torch.softmax(s, -1)[..., :-1] @ v).square().sum()
+
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v, sinks)]
+    f64(*ref_leaves).backward()
+    for got, want in zip(leaves, ref_leaves):
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_pallas_paths_refuse_backward_clearly():
+    q, k, v, _ = _inputs(SHAPES["mha"], torch.float32, seed=13)
+    out = attention_tpu.attention(q.requires_grad_(), k, v, impl="interpret")
+    with pytest.raises(NotImplementedError, match="backward of the Pallas kernel .* not implemented yet"):
+        out.sum().backward()
+
+
+def test_torch_compile_fullgraph_native_and_interpret_op():
+    q, k, v, sinks = _inputs(SHAPES["gqa_prefill_tails"], torch.float32, seed=14)
+    for impl in IMPLS:
+        fn = torch.compile(lambda a, b, c, s: attention_tpu.attention(a, b, c, sinks=s, window=4, impl=impl),
+                           fullgraph=True, dynamic=False)
+        torch.testing.assert_close(fn(q, k, v, sinks), attention_tpu.attention(q, k, v, sinks=sinks, window=4),
+                                   rtol=1e-5, atol=1e-5)
