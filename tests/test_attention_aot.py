@@ -1,0 +1,48 @@
+"""The attention kernel compiles for real TPU generations (libtpu, no TPU attached)
+at the shapes of the models it serves: prefill and decode against static caches."""
+
+import jax.numpy as jnp
+import pytest
+
+from attention_tpu.attention import blocks, pallas_flash
+from attention_tpu.common import aot, tpu_generations
+
+pytest.importorskip("libtpu")
+
+GENERATIONS = ["v4", "v5e", "v5p", "v6e"]
+# name: (batch, q heads, kv heads, Sq, Skv, head_dim, window, softcap, sinks)
+CASES = {
+    "llama3-8b-prefill-8k": (1, 32, 8, 8192, 8192, 128, 0, 0.0, False),
+    "llama3-8b-decode-8k-cache": (8, 32, 8, 1, 8192, 128, 0, 0.0, False),
+    "llama3-8b-decode-32k-cache": (1, 32, 8, 1, 32768, 128, 0, 0.0, False),
+    "gpt-oss-20b-prefill-sliding": (1, 64, 8, 4096, 4096, 64, 128, 0.0, True),
+    "gpt-oss-20b-decode-8k": (4, 64, 8, 1, 8192, 64, 0, 0.0, True),
+    "gemma4-sliding-prefill": (1, 8, 4, 4096, 4096, 256, 512, 0.0, False),
+    "gemma4-global-decode-32k": (1, 8, 2, 1, 32768, 512, 0, 0.0, False),
+    "gemma2-softcap-prefill": (2, 8, 4, 2048, 2048, 256, 0, 50.0, False),
+}
+
+
+@pytest.mark.parametrize("generation", GENERATIONS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_forward_compiles(generation, case, record_property):
+    b, hq, hkv, sq, skv, d, window, softcap, sinks = CASES[case]
+    block_q, block_k = blocks.choose_blocks(hq // hkv * sq, skv)
+    working_set = blocks.working_set_bytes(block_q, block_k, d, d, 2)
+    assert working_set <= tpu_generations.get_generation(generation).vmem_budget
+    record_property("blocks", (block_q, block_k))
+
+    def fn(q, k, v, start, end, *sink):
+        return pallas_flash.flash_attention(q, k, v, start, end, sink[0] if sink else None, causal=True,
+                                            window=window, softcap=softcap, generation=generation)
+
+    inputs = [((b, hq, sq, d), jnp.bfloat16), ((b, hkv, skv, d), jnp.bfloat16), ((b, hkv, skv, d), jnp.bfloat16),
+              ((b,), jnp.int32), ((b,), jnp.int32)] + ([((hq,), jnp.float32)] if sinks else [])
+    aot.compile_for(generation, fn, *inputs)
+
+
+def test_f32_and_odd_shapes_compile():
+    fn = lambda q, k, v, s, e: pallas_flash.flash_attention(q, k, v, s, e, causal=True, window=7,  # noqa: E731
+                                                            generation="v5e")
+    aot.compile_for("v5e", fn, ((2, 6, 77, 80), jnp.float32), ((2, 3, 300, 80), jnp.float32),
+                    ((2, 3, 300, 48), jnp.float32), ((2,), jnp.int32), ((2,), jnp.int32))
