@@ -197,30 +197,50 @@ def test_bad_input_raises_clear_error(message, make):
         attention_tpu.attention(*args, **kwargs)
 
 
-def test_native_gradients_match_float64_autograd():
-    q, k, v, sinks = _inputs(SHAPES["gqa_prefill_tails"], torch.float32, seed=12)
-    visible = torch.from_numpy(reference.attention_rule_mask([0, 3], [13, 13], 13, 13, causal=True, window=5))
+def _f64_loss(q, k, v, sinks, visible, softcap, scale):
+    """An independent formulation in float64: K/V repeated, a dense softmax with the sink column."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~visible, float("-inf"))
+    s = torch.cat([s, sinks.view(1, -1, 1, 1).expand(*s.shape[:3], 1)], -1)
+    p = torch.softmax(s, -1)[..., :-1]
+    return (p @ v).square().sum()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", [
+    ("gqa_prefill_tails", True, 5, 4.0, None),
+    ("mqa_decode", True, 0, 0.0, None),
+    ("dv_differs", False, 0, 0.0, None),
+    ("few_tokens_long_cache", True, 40, 0.0, (8, 128)),  # several key blocks, skipped ones
+])
+def test_gradients_match_float64_autograd(impl, case):
+    shape, causal, window, softcap, block_sizes = case
+    q, k, v, sinks = _inputs(SHAPES[shape], torch.float32, seed=12)
+    b, _, _, sq, skv, d, _ = SHAPES[shape]
+    start, end = _padded_ranges(b, skv)
+    visible = torch.from_numpy(reference.attention_rule_mask(start, end, sq, skv, causal=causal, window=window))
     leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
-    attention_tpu.attention(*leaves[:3], attention_mask=visible, sinks=leaves[3], softcap=4.0).square().sum().backward()
-
-    def f64(q, k, v, sinks):  # an independent formulation: repeat K/V, dense softmax
-        group = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        s = 4.0 * torch.tanh((q @ k.transpose(-1, -2)) * 32 ** -0.5 / 4.0)
-        s = torch.cat([s.masked_fill(~visible, float("-inf")), sinks.view(1, -1, 1, 1).expand(2, -1, 13, 1)], -1)
-        return (torch.softmax(s, -1)[..., :-1] @ v).square().sum()
-
+    attention_tpu.attention(*leaves[:3], attention_mask=visible, sinks=leaves[3], causal=causal, window=window,
+                            softcap=softcap, block_sizes=block_sizes, impl=impl).square().sum().backward()
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v, sinks)]
-    f64(*ref_leaves).backward()
-    for got, want in zip(leaves, ref_leaves):
-        torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-4, atol=1e-5)
+    _f64_loss(*ref_leaves, visible, softcap, d ** -0.5).backward()
+    for name, got, want in zip("q k v sinks".split(), leaves, ref_leaves):
+        assert not torch.isnan(got.grad).any(), f"{impl} d{name}: NaN, seed={SEED}"
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-4, atol=1e-5,
+                                   msg=f"{impl} d{name} seed={SEED}")
 
 
-def test_pallas_paths_refuse_backward_clearly():
+def test_pallas_double_backward_is_refused_clearly():
     q, k, v, _ = _inputs(SHAPES["mha"], torch.float32, seed=13)
-    out = attention_tpu.attention(q.requires_grad_(), k, v, impl="interpret")
-    with pytest.raises(NotImplementedError, match="backward of the Pallas kernel .* not implemented yet"):
-        out.sum().backward()
+    q.requires_grad_()
+    out = attention_tpu.attention(q, k, v, impl="interpret")
+    (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward .* is not supported"):
+        dq.sum().backward()
 
 
 def test_torch_compile_fullgraph_native_and_interpret_op():

@@ -41,6 +41,26 @@ def test_forward_compiles(generation, case, record_property):
     aot.compile_for(generation, fn, *inputs)
 
 
+BACKWARD_CASES = ["llama3-8b-prefill-8k", "gpt-oss-20b-prefill-sliding", "gemma2-softcap-prefill"]
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+@pytest.mark.parametrize("case", BACKWARD_CASES)
+def test_backward_compiles(generation, case):
+    b, hq, hkv, sq, skv, d, window, softcap, sinks = CASES[case]
+    rows = hq // hkv * sq
+
+    def fn(q, k, v, out, lse, dout, start, end, *sink):
+        return pallas_flash.flash_attention_backward(q, k, v, out, lse, dout, start, end, sink[0] if sink else None,
+                                                     causal=True, window=window, softcap=softcap,
+                                                     generation=generation)
+
+    bf16 = jnp.bfloat16
+    inputs = [((b, hq, sq, d), bf16), ((b, hkv, skv, d), bf16), ((b, hkv, skv, d), bf16), ((b, hq, sq, d), bf16),
+              ((b, hkv, rows, 1), jnp.float32), ((b, hq, sq, d), bf16), ((b,), jnp.int32), ((b,), jnp.int32)]
+    aot.compile_for(generation, fn, *(inputs + ([((hq,), jnp.float32)] if sinks else [])))
+
+
 def test_f32_and_odd_shapes_compile():
     fn = lambda q, k, v, s, e: pallas_flash.flash_attention(q, k, v, s, e, causal=True, window=7,  # noqa: E731
                                                             generation="v5e")

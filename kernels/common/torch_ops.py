@@ -43,10 +43,12 @@ def _jax_annotation(schema_type: str):
 
 @dataclasses.dataclass(frozen=True)
 class OpDecl:
-    """Name and ordered ``(parameter, schema type)`` pairs of one op returning a Tensor."""
+    """Name and ordered ``(parameter, schema type)`` pairs of one op returning
+    ``returns`` Tensors (a tuple when more than one)."""
 
     name: str
     params: tuple[tuple[str, str], ...]
+    returns: int = 1
 
     def __post_init__(self):
         for pname, ptype in self.params:
@@ -60,10 +62,11 @@ class OpDecl:
 
     def extended(self, name: str, *extra: tuple[str, str]) -> "OpDecl":
         """This declaration with parameters appended (e.g. a host-only ``impl``)."""
-        return OpDecl(name, self.params + tuple(extra))
+        return OpDecl(name, self.params + tuple(extra), self.returns)
 
     def schema(self) -> str:
-        return "(" + ", ".join(f"{t} {p}" for p, t in self.params) + ") -> Tensor"
+        out = "Tensor" if self.returns == 1 else "(" + ", ".join(["Tensor"] * self.returns) + ")"
+        return "(" + ", ".join(f"{t} {p}" for p, t in self.params) + ") -> " + out
 
     def bind(self, args: tuple, kwargs: dict | None = None) -> dict:
         """Positional (and keyword) arguments of a call -> ``{parameter: value}``."""
@@ -93,7 +96,8 @@ class OpDecl:
 
         params = [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=_jax_annotation(t))
                   for p, t in self.params]
-        return inspect.Signature(params, return_annotation=jax.Array)
+        out = jax.Array if self.returns == 1 else tuple.__class_getitem__((jax.Array,) * self.returns)
+        return inspect.Signature(params, return_annotation=out)
 
 
 def register_host_op(decl: OpDecl, impl: Callable[..., torch.Tensor], fake: Callable[..., torch.Tensor]):

@@ -9,8 +9,8 @@
 
 The Pallas paths take the mask as key ranges plus the causal / window rule
 (``masks``); on the host the ranges are checked to reproduce the given mask.
-Their backward is not implemented yet: a gradient through them raises a clear
-error (the native CPU path has gradients).
+Both have a backward: the Pallas backward kernels (dq, dk, dv and the sinks'
+gradient), from the forward's log-sum-exp, declared as a second op.
 """
 
 from __future__ import annotations
@@ -26,66 +26,113 @@ from . import blocks, cpu_native, masks, validation
 FUNCTION = "attention"
 IMPLS = ("native", "interpret")
 
+_STATIC = (("causal", "int"), ("window", "int"), ("softcap", "float"), ("scale", "float"),
+           ("block_q", "int"), ("block_k", "int"))
+# Forward: (out [B, Hq, Sq, Dv], lse [B, Hkv, G * Sq, 1]); lse is what the backward needs.
 FLASH_ATTENTION = OpDecl("flash_attention", (
     ("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("kv_start", "Tensor"), ("kv_end", "Tensor"),
-    ("sinks", "Tensor?"), ("causal", "int"), ("window", "int"), ("softcap", "float"), ("scale", "float"),
-    ("block_q", "int"), ("block_k", "int"),
-))
+    ("sinks", "Tensor?"), *_STATIC,
+), returns=2)
+# Backward: (dq, dk, dv, d_sinks [Hq]).
+FLASH_ATTENTION_BWD = OpDecl("flash_attention_bwd", (
+    ("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("out", "Tensor"), ("lse", "Tensor"), ("dout", "Tensor"),
+    ("kv_start", "Tensor"), ("kv_end", "Tensor"), ("sinks", "Tensor?"), *_STATIC,
+), returns=4)
 TPU_FLASH_ATTENTION = FLASH_ATTENTION.extended("flash_attention_tpu")
+TPU_FLASH_ATTENTION_BWD = FLASH_ATTENTION_BWD.extended("flash_attention_bwd_tpu")
+STATIC_NAMES = tuple(name for name, _ in _STATIC)
 
 
-def _blocks(block_q: int, block_k: int):
-    return None if (block_q, block_k) == (0, 0) else (block_q, block_k)
+def _kernel_kwargs(causal, window, softcap, scale, block_q, block_k):
+    return dict(causal=bool(causal), window=window, softcap=softcap, scale=scale,
+                block_sizes=None if (block_q, block_k) == (0, 0) else (block_q, block_k))
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(interpret: bool, generation, **static):
+def _interpreted(kernel: str, **static):
     jax = jax_bridge.import_jax(FUNCTION, "call attention(..., impl='native') on CPU")
     from ..common import pallas_helpers
     from . import pallas_flash
 
-    return jax.jit(functools.partial(pallas_flash.flash_attention, generation=generation,
-                                     interpret=pallas_helpers.interpret_params() if interpret else False, **static))
+    return jax.jit(functools.partial(getattr(pallas_flash, kernel), interpret=pallas_helpers.interpret_params(),
+                                     **static))
 
 
-def _static(causal, window, softcap, scale, block_q, block_k):
-    return dict(causal=bool(causal), window=window, softcap=softcap, scale=scale,
-                block_sizes=_blocks(block_q, block_k))
-
-
-def _host_flash(q, k, v, kv_start, kv_end, sinks, causal, window, softcap, scale, block_q, block_k):
+def _run_interpreted(kernel, tensors, static):
     j = jax_bridge.to_jax
     with jax_bridge.INTERPRET_LOCK:
-        fn = _jitted(True, None, **_static(causal, window, softcap, scale, block_q, block_k))
-        return jax_bridge.to_torch(fn(j(q), j(k), j(v), j(kv_start), j(kv_end), j(sinks)))
+        outs = _interpreted(kernel, **_kernel_kwargs(**static))(*(j(t) for t in tensors))
+        return tuple(jax_bridge.to_torch(o) for o in outs)
 
 
-def _fake_flash(q, k, v, kv_start, kv_end, sinks, causal, window, softcap, scale, block_q, block_k):
-    return q.new_empty((*q.shape[:3], v.shape[-1]))
+def _host_flash(q, k, v, kv_start, kv_end, sinks, **static):
+    return _run_interpreted("flash_attention_with_lse", (q, k, v, kv_start, kv_end, sinks), static)
 
 
-def _tpu_flash(q, k, v, kv_start, kv_end, sinks, causal, window, softcap, scale, block_q, block_k):
+def _fake_flash(q, k, v, kv_start, kv_end, sinks, **static):
+    rows = q.shape[1] * q.shape[2] // k.shape[1]
+    return (q.new_empty((*q.shape[:3], v.shape[-1])),
+            q.new_empty((q.shape[0], k.shape[1], rows, 1), dtype=torch.float32))
+
+
+def _host_flash_bwd(q, k, v, out, lse, dout, kv_start, kv_end, sinks, **static):
+    return _run_interpreted("flash_attention_backward", (q, k, v, out, lse, dout, kv_start, kv_end, sinks), static)
+
+
+def _fake_flash_bwd(q, k, v, out, lse, dout, kv_start, kv_end, sinks, **static):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty((q.shape[1],), dtype=torch.float32))
+
+
+def _tpu_flash(q, k, v, kv_start, kv_end, sinks, **static):
     from ..common.tpu_generations import current_generation
     from . import pallas_flash
 
-    return pallas_flash.flash_attention(q, k, v, kv_start, kv_end, sinks, generation=current_generation(),
-                                        **_static(causal, window, softcap, scale, block_q, block_k))
+    return pallas_flash.flash_attention_with_lse(q, k, v, kv_start, kv_end, sinks,
+                                                 generation=current_generation(), **_kernel_kwargs(**static))
 
 
-def _no_backward(op):
-    def backward(ctx, grad):
-        raise NotImplementedError(
-            "attention: the backward of the Pallas kernel (TPU, impl='interpret') is not implemented yet; "
-            "on CPU, gradients run through impl='native'")
+def _tpu_flash_bwd(q, k, v, out, lse, dout, kv_start, kv_end, sinks, **static):
+    from ..common.tpu_generations import current_generation
+    from . import pallas_flash
+
+    return pallas_flash.flash_attention_backward(q, k, v, out, lse, dout, kv_start, kv_end, sinks,
+                                                 generation=current_generation(), **_kernel_kwargs(**static))
+
+
+def _register_autograd(forward_op, forward_decl: OpDecl, backward_op, backward_decl: OpDecl):
+    def setup_context(ctx, inputs, output):
+        params = forward_decl.bind(inputs)
+        ctx.save_for_backward(params["q"], params["k"], params["v"], params["kv_start"], params["kv_end"],
+                              params["sinks"], *output)
+        ctx.static = {name: params[name] for name in STATIC_NAMES}
+
+    def backward(ctx, dout, dlse):
+        q, k, v, kv_start, kv_end, sinks, out, lse = ctx.saved_tensors
+        dq, dk, dv, d_sinks = backward_op(*backward_decl.args(dict(
+            q=q, k=k, v=v, out=out, lse=lse, dout=dout.contiguous(), kv_start=kv_start, kv_end=kv_end,
+            sinks=sinks, **ctx.static)))
+        return forward_decl.grads(q=dq, k=dk, v=dv, sinks=d_sinks if sinks is not None else None)
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
+    _refuse_double_backward(backward_op)
+
+
+def _refuse_double_backward(op):
+    def backward(ctx, *grads):
+        raise RuntimeError("attention: double backward (a gradient of the attention gradient) is not supported")
 
     op.register_autograd(backward, setup_context=lambda ctx, inputs, output: None)
 
 
 host_flash_attention = torch_ops.register_host_op(FLASH_ATTENTION, _host_flash, _fake_flash)
-_no_backward(host_flash_attention)
+host_flash_attention_bwd = torch_ops.register_host_op(FLASH_ATTENTION_BWD, _host_flash_bwd, _fake_flash_bwd)
+_register_autograd(host_flash_attention, FLASH_ATTENTION, host_flash_attention_bwd, FLASH_ATTENTION_BWD)
 
 TPU_OPS = torch_ops.TpuOpRegistry(FUNCTION)
-TPU_OPS.declare(TPU_FLASH_ATTENTION, _tpu_flash, after=lambda ops: _no_backward(ops[TPU_FLASH_ATTENTION.name]))
+TPU_OPS.declare(TPU_FLASH_ATTENTION_BWD, _tpu_flash_bwd)
+TPU_OPS.declare(TPU_FLASH_ATTENTION, _tpu_flash, after=lambda ops: _register_autograd(
+    ops[TPU_FLASH_ATTENTION.name], TPU_FLASH_ATTENTION, ops[TPU_FLASH_ATTENTION_BWD.name], TPU_FLASH_ATTENTION_BWD))
 if torch_ops.tpu_available():
     TPU_OPS.register_all()
 
@@ -140,5 +187,5 @@ def attention(query, key, value, *, attention_mask=None, causal: bool = True, wi
                   sinks=None if sinks is None else sinks.float(), causal=int(bool(causal)), window=window,
                   softcap=float(softcap), scale=float(scale), block_q=block_q, block_k=block_k)
     if device == "tpu":
-        return TPU_OPS.get(TPU_FLASH_ATTENTION.name)(*TPU_FLASH_ATTENTION.args(params))
-    return host_flash_attention(*FLASH_ATTENTION.args(params))
+        return TPU_OPS.get(TPU_FLASH_ATTENTION.name)(*TPU_FLASH_ATTENTION.args(params))[0]
+    return host_flash_attention(*FLASH_ATTENTION.args(params))[0]

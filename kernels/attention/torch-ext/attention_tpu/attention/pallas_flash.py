@@ -27,6 +27,11 @@ head that joins the softmax denominator only: applied after the kernel from
 the log-sum-exp it returns), ``Dv != D``, lengths that are not multiples of
 the blocks (tails masked; padded K/V rows zeroed, since ``0 * NaN`` is NaN).
 Rows that see no key at all come out as zeros.
+
+Backward (``flash_attention_backward``): two kernels from the forward's
+log-sum-exp, one walking key blocks (dk, dv accumulated over the query
+blocks), one walking query blocks (dq), with the same visibility rule and
+skipped tiles; the sinks' gradient is a reduction outside the kernels.
 """
 
 from __future__ import annotations
@@ -159,37 +164,41 @@ def kv_block_plan(kv_start, kv_end, *, rows: int, sq: int, skv: int, causal: boo
     return live, fetched, starts.shape[0] * num_q_blocks * num_kv_blocks
 
 
-def flash_attention(q, k, v, kv_start, kv_end, sinks=None, *, causal: bool = True, window: int = 0,
-                    softcap: float = 0.0, scale: float | None = None, block_sizes=None,
-                    generation: str | None = None, interpret=False):
-    """``softmax(mask(cap(scale * q k^T))) v`` per head; see the module docstring.
-
-    ``kv_start``, ``kv_end``: int32 ``[B]``. ``sinks``: ``[Hq]`` logits or None.
-    Returns ``[B, Hq, Sq, Dv]`` in q's dtype. Inputs are assumed valid.
-    """
+def _prepare(q, k, v, block_sizes, causal, window):
     batch, hq, sq, d = q.shape
     _, hkv, skv, dv = v.shape
-    group = hq // hkv
-    rows = group * sq
-    scale = d ** -0.5 if scale is None else scale
-    if 0 in (batch, hq, sq, dv) or skv == 0:
-        return jnp.zeros((batch, hq, sq, dv), q.dtype)
+    rows = hq // hkv * sq
     block_q, block_k = block_sizes or blocks_lib.choose_blocks(rows, skv)
-    num_q_blocks, num_kv_blocks = cdiv(rows, block_q), cdiv(skv, block_k)
     static = dict(block_q=block_q, block_k=block_k, sq=sq, causal=causal, window=window)
+    return batch, hq, hkv, sq, skv, d, dv, rows, static
 
+
+def _kv_index_map(static, num_kv_blocks):
     def kv_index(b, h, qb, kb, kv_start_ref, kv_end_ref):
         first, last = _kv_block_range(b, qb, kv_start_ref, kv_end_ref, **static)
         # Outside [first, last] stay on a neighbouring block: no new DMA.
         lo = jnp.clip(first, 0, num_kv_blocks - 1)
         return b, h, jnp.clip(kb, lo, jnp.clip(last, lo, num_kv_blocks - 1)), 0
 
-    q_rows = q.reshape(batch, hkv, rows, d)
-    q_spec = pl.BlockSpec((None, None, block_q, d), lambda b, h, qb, kb, *_: (b, h, qb, 0))
-    k_spec = pl.BlockSpec((None, None, block_k, d), kv_index)
-    v_spec = pl.BlockSpec((None, None, block_k, dv), kv_index)
-    o_spec = pl.BlockSpec((None, None, block_q, dv), lambda b, h, qb, kb, *_: (b, h, qb, 0))
-    lse_spec = pl.BlockSpec((None, None, block_q, 1), lambda b, h, qb, kb, *_: (b, h, qb, 0))
+    return kv_index
+
+
+def flash_attention_with_lse(q, k, v, kv_start, kv_end, sinks=None, *, causal: bool = True, window: int = 0,
+                             softcap: float = 0.0, scale: float | None = None, block_sizes=None,
+                             generation: str | None = None, interpret=False):
+    """``(out [B, Hq, Sq, Dv], lse [B, Hkv, G * Sq, 1])``: the attention and the
+    log-sum-exp of each row's softmax, sinks included (what the backward needs)."""
+    batch, hq, hkv, sq, skv, d, dv, rows, static = _prepare(q, k, v, block_sizes, causal, window)
+    scale = d ** -0.5 if scale is None else scale
+    if 0 in (batch, hq, sq, dv) or skv == 0:
+        lse = jnp.full((batch, hkv, rows, 1), -jnp.inf, jnp.float32)
+        if sinks is not None:  # no key: the sink alone
+            lse = _per_row(sinks.astype(jnp.float32), batch, hkv, hq // hkv, sq)
+        return jnp.zeros((batch, hq, sq, dv), q.dtype), lse
+    block_q, block_k = static["block_q"], static["block_k"]
+    num_q_blocks, num_kv_blocks = cdiv(rows, block_q), cdiv(skv, block_k)
+    kv_index = _kv_index_map(static, num_kv_blocks)
+    row_block = lambda b, h, qb, kb, *_: (b, h, qb, 0)  # noqa: E731
     kernel = functools.partial(_flash_kernel, skv=skv, softcap=float(softcap), scale=float(scale),
                                num_kv_blocks=num_kv_blocks, **static)
     out, lse = pl.pallas_call(
@@ -199,19 +208,206 @@ def flash_attention(q, k, v, kv_start, kv_end, sinks=None, *, causal: bool = Tru
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(batch, hkv, num_q_blocks, num_kv_blocks),
-            in_specs=[q_spec, k_spec, v_spec],
-            out_specs=[o_spec, lse_spec],
+            in_specs=[pl.BlockSpec((None, None, block_q, d), row_block),
+                      pl.BlockSpec((None, None, block_k, d), kv_index),
+                      pl.BlockSpec((None, None, block_k, dv), kv_index)],
+            out_specs=[pl.BlockSpec((None, None, block_q, dv), row_block),
+                       pl.BlockSpec((None, None, block_q, 1), row_block)],
             scratch_shapes=[pltpu.VMEM((block_q, 1), jnp.float32), pltpu.VMEM((block_q, 1), jnp.float32),
                             pltpu.VMEM((block_q, dv), jnp.float32)],
         ),
         compiler_params=compiler_params(generation, ("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="flash_attention_fwd",
-    )(kv_start.astype(jnp.int32), kv_end.astype(jnp.int32), q_rows, k, v)
-    out = out.reshape(batch, hq, sq, dv)
+    )(kv_start.astype(jnp.int32), kv_end.astype(jnp.int32), q.reshape(batch, hkv, rows, d), k, v)
     if sinks is not None:
         # softmax over [scores, sink] = softmax(scores) * 1 / (1 + exp(sink - lse))
-        lse = lse.reshape(batch, hq, sq, 1)
-        keep = jax.nn.sigmoid(lse - sinks.astype(jnp.float32).reshape(1, hq, 1, 1))
-        out = (out.astype(jnp.float32) * keep).astype(q.dtype)
-    return out
+        sink_rows = _per_row(sinks.astype(jnp.float32), batch, hkv, hq // hkv, sq)
+        out = (out.astype(jnp.float32) * jax.nn.sigmoid(lse - sink_rows)).astype(q.dtype)
+        lse = jnp.logaddexp(lse, sink_rows)
+    return out.reshape(batch, hq, sq, dv), lse
+
+
+def _per_row(per_head, batch, hkv, group, sq):
+    """``[Hq]`` values as ``[B, Hkv, G * Sq, 1]``, the kernel's row layout."""
+    return jnp.broadcast_to(per_head.reshape(1, hkv, group, 1, 1), (batch, hkv, group, sq, 1)).reshape(
+        batch, hkv, group * sq, 1)
+
+
+def flash_attention(q, k, v, kv_start, kv_end, sinks=None, **kwargs):
+    """``softmax(mask(cap(scale * q k^T))) v`` per head; see the module docstring.
+
+    ``kv_start``, ``kv_end``: int32 ``[B]``. ``sinks``: ``[Hq]`` logits or None.
+    Returns ``[B, Hq, Sq, Dv]`` in q's dtype. Inputs are assumed valid.
+    """
+    return flash_attention_with_lse(q, k, v, kv_start, kv_end, sinks, **kwargs)[0]
+
+
+# ----------------------------------------------------------------------------
+# Backward: dq, dk, dv (and the sinks' gradient) from the forward's lse
+# ----------------------------------------------------------------------------
+
+
+def _recompute(q, k, lse, b, q_block, kv_block, kv_start_ref, kv_end_ref, *, block_q, block_k, sq, rows, skv,
+               causal, window, softcap, scale):
+    """Probabilities ``p`` of one (query block, key block) tile, the visibility
+    mask, and ``tanh`` of the capped logits (None without soft-capping)."""
+    start, end = kv_start_ref[b], kv_end_ref[b]
+    x = dot_f32(q, k, 1, 1) * scale
+    t = None
+    if softcap:
+        t = jnp.tanh(x / softcap)
+        x = softcap * t
+    row = q_block * block_q + lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    keys = kv_block * block_k + lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    pos = end - sq + _rem(row, sq)
+    visible = (keys >= start) & (keys < end) & (keys < skv) & (row < rows)
+    if causal:
+        visible &= keys <= pos
+    if window:
+        visible &= keys > pos - window
+    safe_lse = jnp.where(lse == -jnp.inf, 0.0, lse)
+    p = jnp.where(visible, jnp.exp(jnp.where(visible, x, 0.0) - safe_lse), 0.0)
+    return p, visible, t
+
+
+def _zero_rows_past(x, first_row, limit):
+    """Rows of a block at or past ``limit`` are padding (garbage): zeroed, as
+    ``0 * NaN`` would otherwise poison the products."""
+    row = first_row + lax.broadcasted_iota(jnp.int32, (x.shape[0], 1), 0)
+    return jnp.where(row < limit, x.astype(jnp.float32), 0.0).astype(x.dtype)
+
+
+def _logit_grads(do, v, delta, p, visible, t, scale):
+    """Gradient of the scaled, pre-cap logits of one tile: ``p * (dO v^T - delta)``
+    through the cap's ``tanh`` and the scale."""
+    dp = dot_f32(do, v, 1, 1)
+    ds = jnp.where(visible, p * (dp - delta), 0.0)
+    if t is not None:
+        ds = ds * (1.0 - t * t)
+    return ds * scale
+
+
+def _dkv_kernel(kv_start_ref, kv_end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
+                dk_acc, dv_acc, *, block_q, block_k, sq, rows, skv, causal, window, softcap, scale,
+                num_q_blocks):
+    b, kv_block, q_block = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    first, last = _kv_block_range(b, q_block, kv_start_ref, kv_end_ref, block_q=block_q, block_k=block_k,
+                                  sq=sq, causal=causal, window=window)
+
+    @pl.when(q_block == 0)
+    def _init():
+        dk_acc[...] = jnp.zeros_like(dk_acc)
+        dv_acc[...] = jnp.zeros_like(dv_acc)
+
+    @pl.when((kv_block >= first) & (kv_block <= last))
+    def _accumulate():
+        q, do = q_ref[...], do_ref[...]
+        if rows % block_q:
+            q, do = _zero_rows_past(q, q_block * block_q, rows), _zero_rows_past(do, q_block * block_q, rows)
+        k, v = k_ref[...], v_ref[...]
+        p, visible, t = _recompute(q, k, lse_ref[...], b, q_block, kv_block, kv_start_ref, kv_end_ref,
+                                   block_q=block_q, block_k=block_k, sq=sq, rows=rows, skv=skv, causal=causal,
+                                   window=window, softcap=softcap, scale=scale)
+        dv_acc[...] += dot_f32(p.astype(do.dtype), do, 0, 0)
+        ds = _logit_grads(do, v, delta_ref[...], p, visible, t, scale)
+        dk_acc[...] += dot_f32(ds.astype(q.dtype), q, 0, 0)
+
+    @pl.when(q_block == num_q_blocks - 1)
+    def _store():
+        dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
+        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+
+def _dq_kernel(kv_start_ref, kv_end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_acc, *,
+               block_q, block_k, sq, rows, skv, causal, window, softcap, scale, num_kv_blocks):
+    b, q_block, kv_block = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    first, last = _kv_block_range(b, q_block, kv_start_ref, kv_end_ref, block_q=block_q, block_k=block_k,
+                                  sq=sq, causal=causal, window=window)
+
+    @pl.when(kv_block == 0)
+    def _init():
+        dq_acc[...] = jnp.zeros_like(dq_acc)
+
+    @pl.when((kv_block >= first) & (kv_block <= last))
+    def _accumulate():
+        q, do = q_ref[...], do_ref[...]
+        k, v = k_ref[...], v_ref[...]
+        if skv % block_k:
+            k, v = _zero_rows_past(k, kv_block * block_k, skv), _zero_rows_past(v, kv_block * block_k, skv)
+        p, visible, t = _recompute(q, k, lse_ref[...], b, q_block, kv_block, kv_start_ref, kv_end_ref,
+                                   block_q=block_q, block_k=block_k, sq=sq, rows=rows, skv=skv, causal=causal,
+                                   window=window, softcap=softcap, scale=scale)
+        ds = _logit_grads(do, v, delta_ref[...], p, visible, t, scale)
+        dq_acc[...] += dot_f32(ds.astype(k.dtype), k, 1, 0)
+
+    @pl.when(kv_block == num_kv_blocks - 1)
+    def _store():
+        dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
+
+
+def flash_attention_backward(q, k, v, out, lse, dout, kv_start, kv_end, sinks=None, *, causal: bool = True,
+                             window: int = 0, softcap: float = 0.0, scale: float | None = None, block_sizes=None,
+                             generation: str | None = None, interpret=False):
+    """``(dq, dk, dv, d_sinks)`` of ``flash_attention`` (``d_sinks`` is ``[Hq]`` f32,
+    zeros without sinks), from its output and the ``lse`` it returned."""
+    batch, hq, hkv, sq, skv, d, dv, rows, static = _prepare(q, k, v, block_sizes, causal, window)
+    group = hq // hkv
+    scale = d ** -0.5 if scale is None else scale
+    d_sinks = jnp.zeros((hq,), jnp.float32)
+    if 0 in (batch, hq, sq, dv) or skv == 0:
+        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), d_sinks
+    block_q, block_k = static["block_q"], static["block_k"]
+    num_q_blocks, num_kv_blocks = cdiv(rows, block_q), cdiv(skv, block_k)
+    q_rows, do_rows = q.reshape(batch, hkv, rows, d), dout.reshape(batch, hkv, rows, dv)
+    # delta = rowsum(dO * O): the softmax's own term of the logits' gradient.
+    delta = jnp.sum(do_rows.astype(jnp.float32) * out.reshape(batch, hkv, rows, dv).astype(jnp.float32),
+                    axis=-1, keepdims=True)
+    if sinks is not None:  # d sink_h = -sum over h's rows of p_sink * delta
+        p_sink = jnp.exp(_per_row(sinks.astype(jnp.float32), batch, hkv, group, sq) - lse)
+        d_sinks = -(p_sink * delta).reshape(batch, hkv, group, sq).sum(axis=(0, 3)).reshape(hq)
+    common = dict(skv=skv, rows=rows, softcap=float(softcap), scale=float(scale), **static)
+    prefetch = (kv_start.astype(jnp.int32), kv_end.astype(jnp.int32))
+    semantics = ("parallel", "parallel", "parallel", "arbitrary")
+
+    # dk, dv: each key block walks the query blocks.
+    q_at = lambda b, h, kb, qb, *_: (b, h, qb, 0)  # noqa: E731
+    kv_at = lambda b, h, kb, qb, *_: (b, h, kb, 0)  # noqa: E731
+    dk, dv_ = pl.pallas_call(
+        functools.partial(_dkv_kernel, num_q_blocks=num_q_blocks, **common),
+        out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(batch, hkv, num_kv_blocks, num_q_blocks),
+            in_specs=[pl.BlockSpec((None, None, block_q, d), q_at), pl.BlockSpec((None, None, block_k, d), kv_at),
+                      pl.BlockSpec((None, None, block_k, dv), kv_at), pl.BlockSpec((None, None, block_q, dv), q_at),
+                      pl.BlockSpec((None, None, block_q, 1), q_at), pl.BlockSpec((None, None, block_q, 1), q_at)],
+            out_specs=[pl.BlockSpec((None, None, block_k, d), kv_at), pl.BlockSpec((None, None, block_k, dv), kv_at)],
+            scratch_shapes=[pltpu.VMEM((block_k, d), jnp.float32), pltpu.VMEM((block_k, dv), jnp.float32)],
+        ),
+        compiler_params=compiler_params(generation, semantics),
+        interpret=interpret,
+        name="flash_attention_bwd_dkv",
+    )(*prefetch, q_rows, k, v, do_rows, lse, delta)
+
+    # dq: each query block walks the key blocks it sees (skipped ones re-use the resident block).
+    kv_index = _kv_index_map(static, num_kv_blocks)
+    row_block = lambda b, h, qb, kb, *_: (b, h, qb, 0)  # noqa: E731
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, num_kv_blocks=num_kv_blocks, **common),
+        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(batch, hkv, num_q_blocks, num_kv_blocks),
+            in_specs=[pl.BlockSpec((None, None, block_q, d), row_block),
+                      pl.BlockSpec((None, None, block_k, d), kv_index),
+                      pl.BlockSpec((None, None, block_k, dv), kv_index),
+                      pl.BlockSpec((None, None, block_q, dv), row_block),
+                      pl.BlockSpec((None, None, block_q, 1), row_block),
+                      pl.BlockSpec((None, None, block_q, 1), row_block)],
+            out_specs=pl.BlockSpec((None, None, block_q, d), row_block),
+            scratch_shapes=[pltpu.VMEM((block_q, d), jnp.float32)],
+        ),
+        compiler_params=compiler_params(generation, semantics),
+        interpret=interpret,
+        name="flash_attention_bwd_dq",
+    )(*prefetch, q_rows, k, v, do_rows, lse, delta)
+    return dq.reshape(q.shape), dk, dv_, d_sinks
