@@ -16,3 +16,4 @@ test: bootstrap
 bench: bootstrap
 	$(ENV) $(PY) bench/bench_ragged_dot.py
 	$(ENV) $(PY) bench/bench_experts.py
+	$(ENV) $(PY) bench/bench_attention.py

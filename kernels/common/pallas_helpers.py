@@ -6,6 +6,7 @@ the poisoning interpreter. Imports jax: import it only on a Pallas path
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
@@ -54,3 +55,13 @@ def interpret_params():
     """The TPU interpreter with poisoned memory: every output element a kernel
     fails to write, and every out-of-bounds read, comes back as NaN."""
     return pltpu.InterpretParams(out_of_bounds_reads="uninitialized", uninitialized_memory="nan")
+
+
+def out_struct(shape, dtype, *inputs):
+    """The ``out_shape`` of a ``pallas_call``: varying over every manual mesh axis
+    any of ``inputs`` varies over. ``jax.shard_map`` with its default
+    ``check_vma=True`` refuses an out_shape without that information; outside a
+    shard_map the set is empty and changes nothing."""
+    mats = [jax.typeof(x).mat for x in inputs]
+    varying = frozenset().union(*(m.varying for m in mats))
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mats[0].update(varying=varying))

@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..common.pallas_helpers import compiler_params, dot_f32
+from ..common.pallas_helpers import compiler_params, dot_f32, out_struct
 from ..common.tile_math import cdiv
 from . import blocks as blocks_lib
 
@@ -203,8 +203,8 @@ def flash_attention_with_lse(q, k, v, kv_start, kv_end, sinks=None, *, causal: b
                                num_kv_blocks=num_kv_blocks, **static)
     out, lse = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((batch, hkv, rows, dv), q.dtype),
-                   jax.ShapeDtypeStruct((batch, hkv, rows, 1), jnp.float32)),
+        out_shape=(out_struct((batch, hkv, rows, dv), q.dtype, q, k, v, kv_start, kv_end),
+                   out_struct((batch, hkv, rows, 1), jnp.float32, q, k, v, kv_start, kv_end)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(batch, hkv, num_q_blocks, num_kv_blocks),
@@ -375,7 +375,7 @@ def flash_attention_backward(q, k, v, out, lse, dout, kv_start, kv_end, sinks=No
     kv_at = lambda b, h, kb, qb, *_: (b, h, kb, 0)  # noqa: E731
     dk, dv_ = pl.pallas_call(
         functools.partial(_dkv_kernel, num_q_blocks=num_q_blocks, **common),
-        out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        out_shape=(out_struct(k.shape, k.dtype, q, k, v, dout), out_struct(v.shape, v.dtype, q, k, v, dout)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(batch, hkv, num_kv_blocks, num_q_blocks),
             in_specs=[pl.BlockSpec((None, None, block_q, d), q_at), pl.BlockSpec((None, None, block_k, d), kv_at),
@@ -394,7 +394,7 @@ def flash_attention_backward(q, k, v, out, lse, dout, kv_start, kv_end, sinks=No
     row_block = lambda b, h, qb, kb, *_: (b, h, qb, 0)  # noqa: E731
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, num_kv_blocks=num_kv_blocks, **common),
-        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
+        out_shape=out_struct(q_rows.shape, q.dtype, q, k, v, dout),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(batch, hkv, num_q_blocks, num_kv_blocks),
             in_specs=[pl.BlockSpec((None, None, block_q, d), row_block),

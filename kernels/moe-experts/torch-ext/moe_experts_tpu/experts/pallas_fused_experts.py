@@ -106,7 +106,7 @@ def fused_glu_experts(x, gate_up, down, group_sizes, *, gate: str, out_dtype=Non
                                activation=glu_activation(gate))
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, hidden), out_dtype),
+        out_shape=pallas_helpers.out_struct((m, hidden), out_dtype, x, gate_up, down, group_sizes),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4, grid=(num_visits,), in_specs=in_specs, out_specs=out_spec,
         ),

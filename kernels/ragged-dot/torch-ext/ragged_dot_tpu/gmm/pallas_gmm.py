@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..common.pallas_helpers import compiler_params, dot_f32, row_mask, zero_past
+from ..common.pallas_helpers import compiler_params, dot_f32, out_struct, row_mask, zero_past
 from ..common.tile_math import cdiv
 from . import layouts, tiling as tiling_lib
 
@@ -198,7 +198,8 @@ def gmm(
             + m * n * out_dtype.itemsize
         ),
     )
-    call = _visits_call(kernel, (m, n), out_dtype, (tiles_n, num_visits, tiles_k), [lhs_spec, rhs_spec],
+    call = _visits_call(kernel, out_struct((m, n), out_dtype, lhs, rhs, group_sizes),
+                        (tiles_n, num_visits, tiles_k), [lhs_spec, rhs_spec],
                         out_spec, (tm, tn), ("parallel", "arbitrary", "arbitrary"), cost,
                         f"ragged_dot_gmm_{rhs_layout}", generation, interpret)
     return call(seg, tile, seg_starts, seg_ends, lhs, rhs)
@@ -296,19 +297,20 @@ def tgmm(
             + num_local_groups * k * n * out_dtype.itemsize
         ),
     )
-    call = _visits_call(kernel, out_shape, out_dtype, grid, [lhs_spec, dout_spec], out_spec, acc_shape,
+    call = _visits_call(kernel, out_struct(out_shape, out_dtype, lhs, dout, group_sizes), grid,
+                        [lhs_spec, dout_spec], out_spec, acc_shape,
                         ("parallel", "parallel", "arbitrary"), cost, f"ragged_dot_tgmm_{rhs_layout}",
                         generation, interpret)
     return call(seg, tile, seg_starts, seg_ends, lhs, dout)
 
 
-def _visits_call(kernel, out_shape, out_dtype, grid, in_specs, out_spec, acc_shape, semantics, cost, name,
+def _visits_call(kernel, out_shape, grid, in_specs, out_spec, acc_shape, semantics, cost, name,
                  generation, interpret):
     """The pallas_call both kernels share: four scalar-prefetched visit arrays
     (segment and tile of each visit, segment row bounds), an f32 accumulator."""
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4, grid=grid, in_specs=in_specs, out_specs=out_spec,
             scratch_shapes=[pltpu.VMEM(acc_shape, jnp.float32)],
