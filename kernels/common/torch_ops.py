@@ -112,6 +112,25 @@ def register_host_op(decl: OpDecl, impl: Callable[..., torch.Tensor], fake: Call
     return op
 
 
+def refuse_double_backward(op, message: str) -> None:
+    """Give ``op`` (a backward op) an autograd formula that raises ``message``:
+    a gradient of a gradient through it is refused clearly, not with torch's
+    "no autograd formula registered"."""
+    def backward(ctx, *grads):
+        raise RuntimeError(message)
+
+    op.register_autograd(backward, setup_context=lambda ctx, inputs, output: None)
+
+
+def register_host_pair(forward: OpDecl, forward_impl, forward_fake, backward: OpDecl, backward_impl, backward_fake,
+                       link: Callable):
+    """Host twins of ``declare_with_backward``: both ops, then ``link`` (the autograd formula)."""
+    forward_op = register_host_op(forward, forward_impl, forward_fake)
+    backward_op = register_host_op(backward, backward_impl, backward_fake)
+    link(forward_op, forward, backward_op, backward)
+    return forward_op, backward_op
+
+
 def make_tpu_op(decl: OpDecl, jax_impl: Callable):
     """The TPU op ``decl`` through ``jax_op``; ``jax_impl(**params)`` is the JAX program.
 
@@ -145,6 +164,14 @@ class TpuOpRegistry:
         if self._ops is not None:
             raise RuntimeError(f"{self.caller}: TPU op {decl.name} declared after registration")
         self._declared[decl.name] = (decl, jax_impl, after)
+
+    def declare_with_backward(self, forward: OpDecl, forward_impl: Callable, backward: OpDecl,
+                              backward_impl: Callable, link: Callable) -> None:
+        """A forward op and the op its autograd formula calls; once both exist,
+        ``link(forward_op, forward, backward_op, backward)`` registers the formula."""
+        self.declare(backward, backward_impl)
+        self.declare(forward, forward_impl, after=lambda ops: link(ops[forward.name], forward,
+                                                                   ops[backward.name], backward))
 
     @property
     def registered(self) -> bool:

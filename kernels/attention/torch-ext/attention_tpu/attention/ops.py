@@ -115,24 +115,17 @@ def _register_autograd(forward_op, forward_decl: OpDecl, backward_op, backward_d
         return forward_decl.grads(q=dq, k=dk, v=dv, sinks=d_sinks if sinks is not None else None)
 
     forward_op.register_autograd(backward, setup_context=setup_context)
-    _refuse_double_backward(backward_op)
+    torch_ops.refuse_double_backward(
+        backward_op, "attention: double backward (a gradient of the attention gradient) is not supported")
 
 
-def _refuse_double_backward(op):
-    def backward(ctx, *grads):
-        raise RuntimeError("attention: double backward (a gradient of the attention gradient) is not supported")
-
-    op.register_autograd(backward, setup_context=lambda ctx, inputs, output: None)
-
-
-host_flash_attention = torch_ops.register_host_op(FLASH_ATTENTION, _host_flash, _fake_flash)
-host_flash_attention_bwd = torch_ops.register_host_op(FLASH_ATTENTION_BWD, _host_flash_bwd, _fake_flash_bwd)
-_register_autograd(host_flash_attention, FLASH_ATTENTION, host_flash_attention_bwd, FLASH_ATTENTION_BWD)
+host_flash_attention, host_flash_attention_bwd = torch_ops.register_host_pair(
+    FLASH_ATTENTION, _host_flash, _fake_flash, FLASH_ATTENTION_BWD, _host_flash_bwd, _fake_flash_bwd,
+    _register_autograd)
 
 TPU_OPS = torch_ops.TpuOpRegistry(FUNCTION)
-TPU_OPS.declare(TPU_FLASH_ATTENTION_BWD, _tpu_flash_bwd)
-TPU_OPS.declare(TPU_FLASH_ATTENTION, _tpu_flash, after=lambda ops: _register_autograd(
-    ops[TPU_FLASH_ATTENTION.name], TPU_FLASH_ATTENTION, ops[TPU_FLASH_ATTENTION_BWD.name], TPU_FLASH_ATTENTION_BWD))
+TPU_OPS.declare_with_backward(TPU_FLASH_ATTENTION, _tpu_flash, TPU_FLASH_ATTENTION_BWD, _tpu_flash_bwd,
+                              _register_autograd)
 if torch_ops.tpu_available():
     TPU_OPS.register_all()
 

@@ -56,7 +56,7 @@ def fused_row_tile(gate: str, rhs_layout: str, m: int, hidden: int, inter: int, 
     return tm
 
 
-def _kernel(seg_ref, tile_ref, seg_start_ref, seg_end_ref,
+def _kernel(seg_ref, tile_ref, seg_start_ref, seg_end_ref, _weight_group_ref,
             x_ref, gate_ref, up_ref, down_ref, out_ref,
             *, tm: int, num_segments: int, activation):
     v = pl.program_id(0)
@@ -88,18 +88,19 @@ def fused_glu_experts(x, gate_up, down, group_sizes, *, gate: str, out_dtype=Non
         tm = tiling_lib.choose_tiling(m, hidden, two_inter, num_experts, lhs_itemsize=x.dtype.itemsize,
                                       rhs_itemsize=gate_up.dtype.itemsize, out_itemsize=4,
                                       generation=generation).tm
-    seg, tile, num_visits, seg_starts, seg_ends = pallas_gmm.forward_visits(
+    seg, tile, num_visits, seg_starts, seg_ends, weight_group = pallas_gmm.forward_visits(
         group_sizes, 0, num_experts, m=m, tm=tm
     )
 
-    def expert(s):
-        return jnp.clip(s - 1, 0, num_experts - 1)
+    # Idle visits (rows of remote experts, past the sum) keep the resident expert.
+    def expert_block(half):
+        return lambda v, seg, tile, starts, ends, group: (group[v], half, 0)
 
     in_specs = [
         pl.BlockSpec((tm, hidden), lambda v, seg, tile, *_: (tile[v], 0)),
-        pl.BlockSpec((pl.Squeezed(), inter, hidden), lambda v, seg, *_: (expert(seg[v]), 0, 0)),
-        pl.BlockSpec((pl.Squeezed(), inter, hidden), lambda v, seg, *_: (expert(seg[v]), 1, 0)),
-        pl.BlockSpec((pl.Squeezed(), hidden, inter), lambda v, seg, *_: (expert(seg[v]), 0, 0)),
+        pl.BlockSpec((pl.Squeezed(), inter, hidden), expert_block(0)),
+        pl.BlockSpec((pl.Squeezed(), inter, hidden), expert_block(1)),
+        pl.BlockSpec((pl.Squeezed(), hidden, inter), expert_block(0)),
     ]
     out_spec = pl.BlockSpec((tm, hidden), lambda v, seg, tile, *_: (tile[v], 0))
     kernel = functools.partial(_kernel, tm=tm, num_segments=num_experts + 2,
@@ -108,9 +109,9 @@ def fused_glu_experts(x, gate_up, down, group_sizes, *, gate: str, out_dtype=Non
         kernel,
         out_shape=pallas_helpers.out_struct((m, hidden), out_dtype, x, gate_up, down, group_sizes),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4, grid=(num_visits,), in_specs=in_specs, out_specs=out_spec,
+            num_scalar_prefetch=5, grid=(num_visits,), in_specs=in_specs, out_specs=out_spec,
         ),
         compiler_params=pallas_helpers.compiler_params(generation, ("arbitrary",)),
         interpret=interpret,
         name="fused_glu_experts",
-    )(seg, tile, seg_starts, seg_ends, x, gate_up, gate_up, down)
+    )(seg, tile, seg_starts, seg_ends, weight_group, x, gate_up, gate_up, down)

@@ -109,8 +109,6 @@ def _fake_weight_grad(lhs, dout, group_sizes, num_local_groups, rhs_layout, grou
                          dtype=out_dtype)
 
 
-host_ragged_dot = torch_ops.register_host_op(HOST_RAGGED_DOT, _host_ragged_dot, _fake_ragged_dot)
-host_weight_grad = torch_ops.register_host_op(HOST_WEIGHT_GRAD, _host_weight_grad, _fake_weight_grad)
 
 
 # ----------------------------------------------------------------------------
@@ -169,22 +167,16 @@ def _register_autograd(forward_op, forward_decl: OpDecl, weight_grad_op, weight_
         return forward_decl.grads(lhs=d_lhs, rhs=d_rhs)
 
     forward_op.register_autograd(backward, setup_context=setup_context)
-    _refuse_double_backward(weight_grad_op, weight_grad_decl)
+    torch_ops.refuse_double_backward(
+        weight_grad_op, "ragged_dot: double backward (a gradient of the weight gradient) is not supported")
 
 
-def _refuse_double_backward(weight_grad_op, decl: OpDecl):
-    def backward(ctx, grad):
-        raise RuntimeError("ragged_dot: double backward (a gradient of the weight gradient) is not supported")
-
-    weight_grad_op.register_autograd(backward, setup_context=lambda ctx, inputs, output: None)
-
-
-_register_autograd(host_ragged_dot, HOST_RAGGED_DOT, host_weight_grad, HOST_WEIGHT_GRAD)
+host_ragged_dot, host_weight_grad = torch_ops.register_host_pair(
+    HOST_RAGGED_DOT, _host_ragged_dot, _fake_ragged_dot, HOST_WEIGHT_GRAD, _host_weight_grad, _fake_weight_grad,
+    _register_autograd)
 
 TPU_OPS = torch_ops.TpuOpRegistry(FUNCTION_NAME)
-TPU_OPS.declare(TPU_WEIGHT_GRAD, _tpu_weight_grad)
-TPU_OPS.declare(TPU_RAGGED_DOT, _tpu_ragged_dot, after=lambda ops: _register_autograd(
-    ops[TPU_RAGGED_DOT.name], TPU_RAGGED_DOT, ops[TPU_WEIGHT_GRAD.name], TPU_WEIGHT_GRAD))
+TPU_OPS.declare_with_backward(TPU_RAGGED_DOT, _tpu_ragged_dot, TPU_WEIGHT_GRAD, _tpu_weight_grad, _register_autograd)
 if torch_ops.tpu_available():
     TPU_OPS.register_all()
 

@@ -83,8 +83,28 @@ def make_visits(seg_starts, seg_ends, *, tm: int, tiles_m: int, visit_empty: boo
     return seg, tile, num_visits.astype(jnp.int32)
 
 
+def resident_groups(seg, num_local: int):
+    """The local group whose weights each forward visit reads.
+
+    A visit of a local group (segments ``1 .. num_local``) reads its own. A
+    visit of the zero prefix or suffix computes nothing (rows of other ranks'
+    experts under expert parallelism, rows past ``sum(group_sizes)``), so it
+    reads the group of the nearest local visit before it, else after it: the
+    block index does not change, and no weight DMA starts for an idle visit
+    (it is the block in VMEM already, or the next one needed anyway).
+    """
+    n = seg.shape[0]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    is_local = (seg > 0) & (seg <= num_local)
+    before = lax.cummax(jnp.where(is_local, idx, -1), axis=0)
+    after = lax.cummin(jnp.where(is_local, idx, n), axis=0, reverse=True)
+    source = jnp.where(before >= 0, before, jnp.minimum(after, n - 1))
+    return jnp.clip(seg[source] - 1, 0, num_local - 1).astype(jnp.int32)
+
+
 def forward_visits(group_sizes, group_offset, num_local: int, *, m: int, tm: int):
-    """Visits over [zero prefix, local groups..., zero suffix] covering all M rows."""
+    """Visits over [zero prefix, local groups..., zero suffix] covering all M rows:
+    ``(seg, tile, num_visits, seg_starts, seg_ends, weight_group)``."""
     local_starts, local_ends = local_window(group_sizes, group_offset, num_local)
     zero = jnp.zeros((1,), jnp.int32)
     seg_starts = jnp.concatenate([zero, local_starts, local_ends[-1:]])
@@ -92,7 +112,7 @@ def forward_visits(group_sizes, group_offset, num_local: int, *, m: int, tm: int
     seg, tile, num_visits = make_visits(
         seg_starts, seg_ends, tm=tm, tiles_m=cdiv(m, tm), visit_empty=False
     )
-    return seg, tile, num_visits, seg_starts, seg_ends
+    return seg, tile, num_visits, seg_starts, seg_ends, resident_groups(seg, num_local)
 
 
 # ----------------------------------------------------------------------------
@@ -101,7 +121,7 @@ def forward_visits(group_sizes, group_offset, num_local: int, *, m: int, tm: int
 
 
 def _gmm_kernel(
-    seg_ref, tile_ref, seg_start_ref, seg_end_ref,  # scalar prefetch (SMEM)
+    seg_ref, tile_ref, seg_start_ref, seg_end_ref, _weight_group_ref,  # scalar prefetch (SMEM)
     lhs_ref, rhs_ref,  # inputs (VMEM)
     out_ref,  # output (VMEM)
     acc_ref,  # f32 scratch
@@ -164,24 +184,21 @@ def gmm(
     tm, tk, tn = t.as_tuple()
     tiles_m, tiles_k, tiles_n = cdiv(m, tm), cdiv(k, tk), cdiv(n, tn)
 
-    seg, tile, num_visits, seg_starts, seg_ends = forward_visits(
+    seg, tile, num_visits, seg_starts, seg_ends, weight_group = forward_visits(
         group_sizes, group_offset, num_local, m=m, tm=tm
     )
     num_segments = num_local + 2
-
-    def local_group(s):
-        return jnp.clip(s - 1, 0, num_local - 1)
 
     lhs_spec = pl.BlockSpec((tm, tk), lambda n_i, v, k_i, seg, tile, *_: (tile[v], k_i))
     if rhs_layout == "nk":
         rhs_spec = pl.BlockSpec(
             (pl.Squeezed(), tn, tk),
-            lambda n_i, v, k_i, seg, *_: (local_group(seg[v]), n_i, k_i),
+            lambda n_i, v, k_i, seg, tile, starts, ends, group: (group[v], n_i, k_i),
         )
     else:
         rhs_spec = pl.BlockSpec(
             (pl.Squeezed(), tk, tn),
-            lambda n_i, v, k_i, seg, *_: (local_group(seg[v]), k_i, n_i),
+            lambda n_i, v, k_i, seg, tile, starts, ends, group: (group[v], k_i, n_i),
         )
     out_spec = pl.BlockSpec((tm, tn), lambda n_i, v, k_i, seg, tile, *_: (tile[v], n_i))
 
@@ -201,8 +218,8 @@ def gmm(
     call = _visits_call(kernel, out_struct((m, n), out_dtype, lhs, rhs, group_sizes),
                         (tiles_n, num_visits, tiles_k), [lhs_spec, rhs_spec],
                         out_spec, (tm, tn), ("parallel", "arbitrary", "arbitrary"), cost,
-                        f"ragged_dot_gmm_{rhs_layout}", generation, interpret)
-    return call(seg, tile, seg_starts, seg_ends, lhs, rhs)
+                        f"ragged_dot_gmm_{rhs_layout}", generation, interpret, num_visit_arrays=5)
+    return call(seg, tile, seg_starts, seg_ends, weight_group, lhs, rhs)
 
 
 # ----------------------------------------------------------------------------
@@ -300,19 +317,20 @@ def tgmm(
     call = _visits_call(kernel, out_struct(out_shape, out_dtype, lhs, dout, group_sizes), grid,
                         [lhs_spec, dout_spec], out_spec, acc_shape,
                         ("parallel", "parallel", "arbitrary"), cost, f"ragged_dot_tgmm_{rhs_layout}",
-                        generation, interpret)
+                        generation, interpret, num_visit_arrays=4)
     return call(seg, tile, seg_starts, seg_ends, lhs, dout)
 
 
 def _visits_call(kernel, out_shape, grid, in_specs, out_spec, acc_shape, semantics, cost, name,
-                 generation, interpret):
-    """The pallas_call both kernels share: four scalar-prefetched visit arrays
-    (segment and tile of each visit, segment row bounds), an f32 accumulator."""
+                 generation, interpret, num_visit_arrays):
+    """The pallas_call both kernels share: scalar-prefetched visit arrays
+    (segment and tile of each visit, segment row bounds; the forward adds the
+    weight group of each visit), an f32 accumulator."""
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4, grid=grid, in_specs=in_specs, out_specs=out_spec,
+            num_scalar_prefetch=num_visit_arrays, grid=grid, in_specs=in_specs, out_specs=out_spec,
             scratch_shapes=[pltpu.VMEM(acc_shape, jnp.float32)],
         ),
         compiler_params=compiler_params(generation, semantics),
