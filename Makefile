@@ -13,7 +13,10 @@ hub: bootstrap
 test: bootstrap
 	$(ENV) $(PY) -m pytest -q tests
 
-bench: bootstrap
+bench:
+	bash scripts/bootstrap.sh bench
 	$(ENV) $(PY) bench/bench_ragged_dot.py
 	$(ENV) $(PY) bench/bench_experts.py
 	$(ENV) $(PY) bench/bench_attention.py
+	$(ENV) $(PY) bench/calibrate_tpu_estimator.py
+	$(ENV) $(PY) bench/bench_tpu_estimates.py

@@ -1,0 +1,214 @@
+"""Our MoE experts kernels against the peers on TPU, by the TPU estimator.
+
+One experts layer's matmuls on the rows already sorted by expert (the part
+the kernels differ in): ``down(gate(up(x)))`` with group sizes drawn from a
+random top-k routing, at Qwen3-30B-A3B, gpt-oss-20b, Mixtral-8x7B and
+DeepSeek-V3 shapes, 1 to 4096 tokens. Contenders, all compiled here for the
+chip and estimated from the compiler's schedule (bench/tpu_estimator.py;
+calibration error in bench/results/tpu_calibration.md):
+
+- ours, two matmuls: ``gmm`` (up, f32 out) -> gate -> ``gmm`` (down), our tiling rule;
+- ours, fused: ``fused_glu_experts`` (both matmuls and the gate in one kernel);
+- tokamax 0.0.12 ``PallasMosaicTpuRaggedDot`` twice, its own default config;
+- JAX's megablox ``gmm`` twice, its default tiling (128, 128, 128).
+
+Weights are in Transformers' ``[E, out, in]`` layout for ours, ``[E, in, out]``
+for the peers (their layout): the same bytes. Writes bench/results/tpu_estimates.md
+and tpu_estimates.png.
+
+    python bench/bench_tpu_estimates.py [--chips v5e v6e] [--models qwen3 ...] [--tokens 1 8 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import tpu_estimator  # noqa: E402  (sets libtpu's dump folder before jax loads libtpu)
+from calibrate_tpu_estimator import PipelineRecorder  # noqa: E402
+from common import ROOT, markdown, use_shipped_packages  # noqa: E402
+
+MODELS = {  # hidden, intermediate, experts, top_k, gate
+    "qwen3-30b-a3b": (2048, 768, 128, 8, "glu_silu"),
+    "gpt-oss-20b": (2880, 2880, 32, 4, "glu_silu"),
+    "mixtral-8x7b": (4096, 14336, 8, 2, "glu_silu"),
+    "deepseek-v3": (7168, 2048, 256, 8, "glu_silu"),
+}
+CONTENDERS = ("ours", "ours fused", "tokamax", "megablox")
+RESULTS = ROOT / "bench" / "results"
+
+
+def routing_group_sizes(tokens, experts, top_k, rng) -> np.ndarray:
+    """Group sizes of a random top-k routing (k distinct experts per token)."""
+    picks = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k]
+    return np.bincount(picks.reshape(-1), minlength=experts).astype(np.int32)
+
+
+def contender_fn(name, gate, generation):
+    import jax.numpy as jnp
+
+    from moe_experts_tpu.experts import pallas_fused_experts
+    from moe_experts_tpu.experts.gates import apply_gate
+    from moe_experts_tpu.gmm import pallas_gmm
+
+    def act(h):
+        return apply_gate(h, gate, 1.702, 7.0).astype(jnp.bfloat16)
+
+    if name == "ours":
+        def fn(x, up, down, gs):
+            h = pallas_gmm.gmm(x, up, gs, rhs_layout="nk", out_dtype=jnp.float32, generation=generation)
+            return pallas_gmm.gmm(act(h), down, gs, rhs_layout="nk", out_dtype=jnp.float32, generation=generation)
+    elif name == "ours fused":
+        def fn(x, up, down, gs):
+            return pallas_fused_experts.fused_glu_experts(x, up, down, gs, gate=gate, out_dtype=jnp.float32,
+                                                          generation=generation)
+    elif name == "tokamax":
+        from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu as tk
+
+        op = tk.PallasMosaicTpuRaggedDot()
+
+        def fn(x, up, down, gs):
+            h = op(x, up, group_sizes=gs, preferred_element_type=jnp.float32)
+            return op(act(h), down, group_sizes=gs, preferred_element_type=jnp.float32)
+    elif name == "megablox":
+        from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+        def fn(x, up, down, gs):
+            h = gmm(x, up, gs, preferred_element_type=jnp.float32)
+            return gmm(act(h), down, gs, preferred_element_type=jnp.float32)
+    else:
+        raise ValueError(name)
+    return fn
+
+
+def weight_specs(name, hidden, inter, experts):
+    import jax
+    import jax.numpy as jnp
+
+    bf16 = jnp.bfloat16
+    if name.startswith("ours"):  # Transformers' [E, out, in]
+        return (jax.ShapeDtypeStruct((experts, 2 * inter, hidden), bf16),
+                jax.ShapeDtypeStruct((experts, hidden, inter), bf16))
+    return (jax.ShapeDtypeStruct((experts, hidden, 2 * inter), bf16),
+            jax.ShapeDtypeStruct((experts, inter, hidden), bf16))
+
+
+def estimate_one(chip, model, tokens, name, rng_seed=0):
+    import jax
+    import jax.numpy as jnp
+
+    hidden, inter, experts, top_k, gate = MODELS[model]
+    gs = routing_group_sizes(tokens, experts, top_k, np.random.default_rng(rng_seed))
+    rows = tokens * top_k
+    x = jax.ShapeDtypeStruct((rows, hidden), jnp.bfloat16)
+    up, down = weight_specs(name, hidden, inter, experts)
+    flops = 2.0 * rows * hidden * 3 * inter
+    used = int((gs > 0).sum())
+    min_bytes = 2.0 * (rows * hidden + used * 3 * hidden * inter) + 4.0 * rows * hidden
+    fn = contender_fn(name, gate, chip)
+    if name == "tokamax":
+        with PipelineRecorder() as recorder:
+            return tpu_estimator.estimate(fn, [x, up, down, gs], chip, flops=flops, min_bytes=min_bytes,
+                                          replay_for=recorder.replay_for())
+    return tpu_estimator.estimate(fn, [x, up, down, gs], chip, flops=flops, min_bytes=min_bytes)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chips", nargs="+", default=["v5e", "v6e"])
+    ap.add_argument("--models", nargs="+", default=list(MODELS))
+    ap.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64, 512, 4096])
+    ap.add_argument("--contenders", nargs="+", default=list(CONTENDERS))
+    ap.add_argument("--out", default=str(RESULTS / "tpu_estimates.md"))
+    args = ap.parse_args(argv)
+    from absl import flags
+
+    flags.FLAGS(sys.argv[:1], known_only=True)  # tokamax reads absl flags
+    use_shipped_packages()
+    sections, plot_rows = [], []
+    for chip in args.chips:
+        rows = []
+        for model in args.models:
+            for tokens in args.tokens:
+                times, notes, roof = {}, [], None
+                for name in args.contenders:
+                    t0 = time.time()
+                    try:
+                        est = estimate_one(chip, model, tokens, name)
+                    except Exception as exc:  # noqa: BLE001 -- a contender that cannot run this shape is reported
+                        notes.append(f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0][:70]}")
+                        print(f"[{chip}] {model} {tokens} {name}: {exc}", file=sys.stderr)
+                        continue
+                    times[name] = est.seconds
+                    roof = est
+                    if not all(k.regions_matched for k in est.kernels):
+                        notes.append(f"{name}: MXU regions not matched, every region charged")
+                    print(f"[{chip}] {model} {tokens} {name}: {est.seconds * 1e6:.1f} us "
+                          f"(roofline {est.roofline_s * 1e6:.1f} us, {time.time() - t0:.0f} s)", file=sys.stderr)
+                if not times:
+                    continue
+                best_ours = min((times[n] for n in ("ours", "ours fused") if n in times), default=None)
+                row = {"model": model, "tokens": tokens}
+                for name in args.contenders:
+                    row[f"{name} us"] = f"{times[name] * 1e6:.1f}" if name in times else "-"
+                for peer in ("tokamax", "megablox"):
+                    if peer in times and best_ours:
+                        row[f"{peer} / ours"] = f"{times[peer] / best_ours:.2f}"
+                bound = "HBM" if roof.hbm_bound_s >= roof.mxu_bound_s else "MXU"
+                row["roofline us"] = f"{roof.roofline_s * 1e6:.1f} ({bound})"
+                if best_ours:
+                    row["ours / roofline"] = f"{best_ours / roof.roofline_s:.2f}"
+                row["notes"] = "; ".join(notes)
+                rows.append(row)
+                plot_rows.append((chip, model, tokens, times, roof.roofline_s))
+        sections.append(f"## {chip} ({tpu_estimator.CHIPS[chip].topology})\n\n" + markdown(rows))
+    out = pathlib.Path(args.out)
+    out.write_text(
+        "# MoE experts on TPU: estimated times, ours against the peers\n\n"
+        "Generated by `python bench/bench_tpu_estimates.py`. Estimates from the TPU compiler's static "
+        "schedule (`bench/tpu_estimator.py`), not measurements on a TPU; the estimator's error against "
+        "measured timings is in `tpu_calibration.md`. One experts layer's two matmuls and the gate on rows "
+        "sorted by expert, bf16 inputs, f32 outputs, group sizes from a random top-k routing (seed 0). "
+        "'ours' = the best of our two-matmul and fused kernels; ratios > 1: the peer is slower. "
+        "Roofline: max(MXU-bound, HBM-bound: activations + the weights of the experts that have rows).\n\n"
+        + "\n\n".join(sections) + "\n")
+    _plot(plot_rows, out.with_suffix(".png"))
+    print(f"wrote {out}")
+
+
+def _plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    chips = sorted({r[0] for r in rows})
+    models = list(dict.fromkeys(r[1] for r in rows))
+    if not chips or not models:
+        return
+    fig, axes = plt.subplots(len(chips), len(models), figsize=(4 * len(models), 3.2 * len(chips)), squeeze=False)
+    for i, chip in enumerate(chips):
+        for j, model in enumerate(models):
+            ax = axes[i][j]
+            sel = [r for r in rows if r[0] == chip and r[1] == model]
+            tokens = [r[2] for r in sel]
+            for name in CONTENDERS:
+                ys = [r[3].get(name, np.nan) / r[4] for r in sel]
+                ax.plot(tokens, ys, marker="o", label=name)
+            ax.axhline(1.0, color="k", lw=0.8, ls="--")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{model}, {chip}", fontsize=9)
+            ax.set_xlabel("tokens")
+            ax.set_ylabel("estimate / roofline")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

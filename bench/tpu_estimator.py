@@ -1,0 +1,585 @@
+"""Estimate a Pallas kernel's time on a TPU generation without a TPU.
+
+How (the method is in bench/results/tpu_calibration.md, with its error):
+1. Compile the JAX function ahead of time for one chip of the generation
+   with libtpu's LLO dump on, and read the kernel's final VLIW schedule
+   (``tpu_schedule``): the grid loop's cycles per step, the ``pl.when``
+   regions holding the MXU work, where each operand lives (HBM or VMEM).
+2. Replay the grid on the host: the function's XLA ops before the kernel run
+   on concrete routing inputs, which gives the scalar-prefetch arrays and the
+   dynamic grid size; the kernel's index maps and ``pl.when`` predicates are
+   then evaluated for every grid step (a small vectorised interpreter over
+   the kernel's own jaxpr). A block is fetched when its block index changes;
+   an output block is written back when its index changes.
+3. Simulate the pipeline: one FIFO DMA queue at HBM bandwidth; the inputs of
+   step i+1 are issued when step i starts, step i waits for its own inputs;
+   a step computes for (loop cycles - regions it skips) / clock; write-backs
+   queue behind. Add the prologue/epilogue, the first fetch, the last
+   write-back, the copies of operands XLA placed in VMEM, and the other XLA
+   ops of the program (their static bundle counts, one pass each).
+
+Nothing is fitted: the clocks and bandwidths are the chips' published peaks.
+Development tool: benchmarks only; never imported by a Hub kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import shutil
+import tempfile
+
+import numpy as np
+
+import tpu_schedule
+
+# One folder per process: concurrent estimates must not clean up each other.
+DUMP_ROOT = pathlib.Path(tempfile.gettempdir()) / f"tpu_estimator_dumps_{os.getpid()}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One TensorCore's published peaks. MXU: vmatmul rows x width per op."""
+
+    name: str
+    topology: str
+    clock_hz: float
+    hbm_bytes_per_s: float
+    bf16_flops_per_s: float
+    note: str = ""
+
+
+CHIPS = {
+    # 4 MXUs x (16 x 128 x 128) per 16 cycles at 1.5 GHz = 197 TF/s.
+    "v5e": Chip("v5e", "v5e:1x1", 1.5e9, 819e9, 197e12),
+    # 2 MXUs x (16 x 256 x 256) per 8 cycles at 1.75 GHz = 918 TF/s.
+    "v6e": Chip("v6e", "v6e:1x1", 1.75e9, 1640e9, 918e12),
+    # One of the chip's two TensorCores: half the chip's 7.37 TB/s and
+    # 2307 TF/s bf16; the 2.2 GHz clock is not published (unverified).
+    "tpu7x": Chip("tpu7x", "tpu7x:1x1x1", 2.2e9, 7.37e12 / 2, 2307e12 / 2, note="clock unverified"),
+}
+
+
+# ----------------------------------------------------------------------------
+# A vectorised interpreter for the scalar part of a kernel / index map jaxpr
+# ----------------------------------------------------------------------------
+
+
+class _Unknown:
+    def __repr__(self):
+        return "?"
+
+
+UNKNOWN = _Unknown()
+
+
+def _trunc_div(a, b):
+    q = np.abs(a) // np.maximum(np.abs(b), 1)
+    return np.where((a < 0) != (b < 0), -q, q)
+
+
+_BINARY = {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "max": np.maximum, "min": np.minimum,
+    "eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal, "gt": np.greater,
+    "ge": np.greater_equal, "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor,
+    "div": _trunc_div, "rem": lambda a, b: a - _trunc_div(a, b) * b,
+    "shift_left": np.left_shift, "shift_right_arithmetic": np.right_shift,
+}
+_UNARY = {"neg": np.negative, "not": lambda a: ~a if a.dtype != bool else np.logical_not(a), "abs": np.abs,
+          "sign": np.sign}
+_IDENTITY = {"squeeze", "reshape", "broadcast_in_dim", "copy", "copy_p"}
+
+
+@dataclasses.dataclass
+class CondRecord:
+    """One ``cond`` met while interpreting: per step, which branch runs
+    (``-1`` where the enclosing region did not run), and which branches hold
+    MXU work with no MXU ``cond`` nested inside (innermost)."""
+
+    branch: np.ndarray
+    dot_branches: tuple[int, ...]
+
+
+def _has_dot(jaxpr) -> bool:
+    for e in jaxpr.eqns:
+        if e.primitive.name == "dot_general":
+            return True
+        if any(_has_dot(sub) for sub in _sub_jaxprs(e)):
+            return True
+    return False
+
+
+def _sub_jaxprs(eqn):
+    for p in eqn.params.values():
+        for q in (p if isinstance(p, (tuple, list)) else (p,)):
+            j = getattr(q, "jaxpr", None)
+            if j is not None and hasattr(j, "eqns"):
+                yield j
+            elif hasattr(q, "eqns"):
+                yield q
+
+
+def _innermost_dot_branches(eqn) -> tuple[int, ...]:
+    out = []
+    for b, br in enumerate(eqn.params["branches"]):
+        if not _has_dot(br.jaxpr):
+            continue
+        nested = any(e.primitive.name == "cond" and any(_has_dot(x.jaxpr) for x in e.params["branches"])
+                     for e in _walk(br.jaxpr))
+        if not nested:
+            out.append(b)
+    return tuple(out)
+
+
+def _walk(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for sub in _sub_jaxprs(e):
+            yield from _walk(sub)
+
+
+def interpret(jaxpr, inputs, *, grid_index, grid, steps, conds=None, active=None):
+    """Evaluate ``jaxpr`` on per-step values. ``inputs``: numpy arrays (refs
+    and scalars are both arrays; a per-step scalar has shape [steps]) or
+    UNKNOWN. ``program_id(a)`` is ``grid_index[a]``. Conds are recorded into
+    ``conds`` in program order, nested ones with the steps where they run."""
+    from jax._src.state.indexing import NDIndexer, Slice
+    from jax import tree_util
+
+    env = {}
+    active = np.ones(steps, bool) if active is None else active
+
+    def read(v):
+        if hasattr(v, "val") and not hasattr(v, "count"):  # Literal
+            return np.asarray(v.val)
+        return env.get(v, UNKNOWN)
+
+    for var, val in zip(jaxpr.invars, inputs):
+        env[var] = val
+    for c, val in zip(jaxpr.constvars, ()):
+        env[c] = val
+    for e in jaxpr.eqns:
+        name = e.primitive.name
+        ins = [read(v) for v in e.invars]
+        outs = [UNKNOWN] * len(e.outvars)
+        known = all(x is not UNKNOWN for x in ins)
+        if name == "program_id":
+            outs = [grid_index[e.params["axis"]]]
+        elif name == "num_programs":
+            outs = [np.asarray(grid[e.params["axis"]])]
+        elif name == "cond":
+            index = ins[0]
+            branches = e.params["branches"]
+            record = None
+            if conds is not None and index is not UNKNOWN:
+                branch = np.where(active, np.broadcast_to(index, (steps,)), -1)
+                record = CondRecord(branch, _innermost_dot_branches(e))
+                conds.append(record)
+            for b, br in enumerate(branches):  # nested conds: run where this branch runs
+                sub_active = active & (record.branch == b) if record is not None else active & False
+                interpret(br.jaxpr, ins[1:], grid_index=grid_index, grid=grid, steps=steps,
+                          conds=conds if record is not None else None, active=sub_active)
+        elif name in ("pjit", "jit", "closed_call"):
+            sub = e.params["jaxpr"]
+            outs = interpret(sub.jaxpr, ins, grid_index=grid_index, grid=grid, steps=steps,
+                             conds=conds, active=active)
+        elif not known:
+            pass
+        elif name in _BINARY:
+            outs = [_BINARY[name](*np.broadcast_arrays(*ins))]
+        elif name in _UNARY:
+            outs = [_UNARY[name](ins[0])]
+        elif name in _IDENTITY and np.ndim(ins[0]) <= 1 and all(
+                int(np.prod(v.aval.shape)) == 1 for v in e.outvars):
+            outs = [np.asarray(ins[0])]
+        elif name == "convert_element_type":
+            outs = [np.asarray(ins[0]).astype(np.dtype(e.params["new_dtype"]))]
+        elif name == "select_n":
+            pred, *cases = ins
+            outs = [np.choose(np.asarray(pred).astype(int), np.broadcast_arrays(*cases))]
+        elif name == "clamp":
+            lo, x, hi = ins
+            outs = [np.clip(x, lo, hi)]
+        elif name == "get":
+            ref, *flat = ins
+            transforms = tree_util.tree_unflatten(e.params["tree"], flat)
+            index = None
+            if len(transforms) == 1 and isinstance(transforms[0], NDIndexer):
+                idx = transforms[0].indices
+                if not any(isinstance(i, Slice) for i in idx):
+                    index = tuple(np.asarray(i) for i in idx)
+            if index is not None and np.ndim(ref) == len(index):
+                outs = [np.asarray(ref)[np.broadcast_arrays(*index)] if index else np.asarray(ref)]
+        for var, val in zip(e.outvars, outs):
+            env[var] = val
+    return [read(v) for v in jaxpr.outvars]
+
+
+# ----------------------------------------------------------------------------
+# Finding the pallas_calls of a function and their concrete operands
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class KernelCall:
+    name: str
+    eqn: object
+    operands: list  # concrete numpy values where known, else UNKNOWN
+
+
+def kernel_calls(fn, args) -> list[KernelCall]:
+    """The pallas_calls of ``fn(*args)`` in program order. ``args``: numpy
+    arrays (concrete: routing inputs) or ``jax.ShapeDtypeStruct`` (abstract:
+    activations and weights, never materialised). The ops before a kernel
+    that depend only on concrete inputs are run on the host CPU."""
+    import jax
+
+    specs = [a if isinstance(a, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype)
+             for a in args]
+    closed = jax.make_jaxpr(fn)(*specs)
+    values = [UNKNOWN if isinstance(a, jax.ShapeDtypeStruct) else np.asarray(a) for a in args]
+    calls: list[KernelCall] = []
+    _host_eval(closed.jaxpr, list(closed.consts), values, calls)
+    return calls
+
+
+# Primitives that only wrap a function of their operands (jit, custom
+# derivatives, custom vmap): the estimate looks through them.
+_CALL_PARAMS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+                "custom_jvp_call": "call_jaxpr", "custom_vmap_call": "call", "remat": "jaxpr", "checkpoint": "jaxpr"}
+
+
+def _call_body(eqn):
+    param = _CALL_PARAMS.get(eqn.primitive.name)
+    body = eqn.params.get(param) if param else None
+    if body is None:
+        return None
+    inner = getattr(body, "jaxpr", body)
+    return body if len(inner.invars) == len(eqn.invars) else None
+
+
+def _host_eval(jaxpr, consts, inputs, calls, scope="kernel"):
+    import jax
+
+    env = dict(zip(jaxpr.constvars, [np.asarray(c) for c in consts]))
+    env.update(zip(jaxpr.invars, inputs))
+
+    def read(v):
+        if hasattr(v, "val") and not hasattr(v, "count"):
+            return v.val
+        return env.get(v, UNKNOWN)
+
+    for e in jaxpr.eqns:
+        ins = [read(v) for v in e.invars]
+        outs = [UNKNOWN] * len(e.outvars)
+        if e.primitive.name == "pallas_call":
+            # An unnamed pallas_call is named by XLA after the jit around it.
+            calls.append(KernelCall(e.params.get("name") or scope, e, ins))
+        elif (body := _call_body(e)) is not None:
+            jaxpr_, consts = (body.jaxpr, list(body.consts)) if hasattr(body, "consts") else (body, [])
+            outs = _host_eval(jaxpr_, consts, ins, calls, e.params.get("name") or scope)
+        elif all(x is not UNKNOWN for x in ins):
+            with jax.default_device(jax.devices("cpu")[0]):
+                res = e.primitive.bind(*ins, **e.primitive.get_bind_params(e.params))
+            outs = list(res) if e.primitive.multiple_results else [res]
+            outs = [np.asarray(o) for o in outs]
+        for var, val in zip(e.outvars, outs):
+            env[var] = val
+    return [read(v) for v in jaxpr.outvars]
+
+
+# ----------------------------------------------------------------------------
+# The grid replay: per step block indices and MXU regions taken
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class GridReplay:
+    grid: tuple[int, ...]
+    block_indices: list[np.ndarray]  # per block mapping (inputs, then outputs): [steps, ndim]
+    block_bytes: list[int]
+    is_output: list[bool]
+    # Innermost MXU pl.when bodies in program order, [steps] bool each; None:
+    # one MXU body runs every step (a pipeline whose body alternates buffers).
+    mxu_taken: list[np.ndarray] | None
+    buffers: list[int] | None = None  # per block mapping; default 2 (double buffering)
+    whole_arrays: list[int] | None = None  # bytes of each mapping's full array
+
+    @property
+    def steps(self) -> int:
+        return int(np.prod(self.grid))
+
+
+def replay(call: KernelCall) -> GridReplay:
+    from jax._src.pallas import core as pallas_core
+
+    gm = call.eqn.params["grid_mapping"]
+    ops = list(call.operands)
+    grid = []
+    for d in gm.grid:
+        if isinstance(d, int):
+            grid.append(d)
+        else:
+            bound = ops.pop(0)
+            if bound is UNKNOWN:
+                raise ValueError(f"{call.name}: the dynamic grid size depends on data the estimate was not given")
+            grid.append(int(bound))
+    prefetch = ops[:gm.num_index_operands]
+    if any(p is UNKNOWN for p in prefetch):
+        raise ValueError(f"{call.name}: scalar-prefetch operands depend on data the estimate was not given "
+                         "(pass routing inputs as concrete arrays)")
+    steps = int(np.prod(grid))
+    grid_index = list(np.indices(grid).reshape(len(grid), steps)) if steps else [np.zeros(0, int)] * len(grid)
+    block_indices, block_bytes, is_output, whole = [], [], [], []
+    for j, bm in enumerate(gm.block_mappings):
+        out = interpret(bm.index_map_jaxpr.jaxpr, grid_index + [np.asarray(p) for p in prefetch],
+                        grid_index=grid_index, grid=grid, steps=steps)
+        if any(o is UNKNOWN for o in out):
+            raise ValueError(f"{call.name}: index map of operand {j} uses something the replay cannot evaluate")
+        block_indices.append(np.stack([np.broadcast_to(o, (steps,)) for o in out], axis=1))
+        dims = [getattr(b, "block_size", b) for b in bm.block_shape
+                if not isinstance(b, pallas_core.Squeezed) and b is not None]
+        block_bytes.append(int(np.prod(dims)) * bm.array_aval.dtype.itemsize)
+        is_output.append(j >= gm.num_inputs)
+        whole.append(int(np.prod(bm.array_aval.shape)) * bm.array_aval.dtype.itemsize)
+    kernel = call.eqn.params["jaxpr"]
+    refs = [np.asarray(p) for p in prefetch] + [UNKNOWN] * (len(kernel.invars) - len(prefetch))
+    conds: list[CondRecord] = []
+    interpret(kernel, refs, grid_index=grid_index, grid=grid, steps=steps, conds=conds)
+    taken = [np.isin(c.branch, b) for c in conds for b in c.dot_branches]
+    buffers = [getattr(bm.pipeline_mode, "buffer_count", None) or 2 for bm in gm.block_mappings]
+    return GridReplay(tuple(grid), block_indices, block_bytes, is_output, taken, buffers, whole)
+
+
+# ----------------------------------------------------------------------------
+# The pipeline simulation
+# ----------------------------------------------------------------------------
+
+
+def changed(indices: np.ndarray) -> np.ndarray:
+    """Per step: does the block differ from the previous step's (step 0: yes)."""
+    if len(indices) == 0:
+        return np.zeros(0, bool)
+    diff = np.any(indices[1:] != indices[:-1], axis=1)
+    return np.concatenate([[True], diff])
+
+
+def simulate(step_cycles, fetches, writeback_bytes, *, clock_hz, hbm_bytes_per_s,
+             prologue_cycles=0, epilogue_cycles=0, before_bytes=0, after_bytes=0) -> float:
+    """Seconds for one kernel. ``fetches``: per input, ``(bytes per step,
+    lookahead)``: with ``b`` buffers the block of step j is issued when step
+    ``j - (b - 1)`` starts (the first ones in the prologue) and step j waits
+    for it. ``writeback_bytes[i]`` is queued when step i ends. One FIFO DMA
+    queue at HBM bandwidth; the core runs ``step_cycles[i]`` per step."""
+    bw = hbm_bytes_per_s
+    n = len(step_cycles)
+    issued_at: dict[int, list] = {}
+    for nbytes, lookahead in fetches:
+        for j in np.nonzero(nbytes)[0]:
+            issued_at.setdefault(max(int(j) - lookahead, -1), []).append((int(j), float(nbytes[j])))
+    for v in issued_at.values():
+        v.sort()
+    queue = before_bytes / bw  # XLA's copies of VMEM-placed operands, before the kernel
+    core = queue + prologue_cycles / clock_hz
+    ready = np.zeros(n)
+
+    def issue(step, t):
+        nonlocal queue
+        for j, nbytes in issued_at.get(step, ()):
+            queue = max(queue, t) + nbytes / bw
+            ready[j] = max(ready[j], queue)
+
+    issue(-1, core)
+    for i in range(n):
+        start = max(core, ready[i])
+        issue(i, start)
+        core = start + step_cycles[i] / clock_hz
+        if writeback_bytes[i]:
+            queue = max(queue, core) + writeback_bytes[i] / bw
+    end = max(core + epilogue_cycles / clock_hz, queue)
+    return end + after_bytes / bw
+
+
+# ----------------------------------------------------------------------------
+# The estimate
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class KernelEstimate:
+    name: str
+    steps: int
+    loop_cycles: int
+    step_cycles: np.ndarray
+    regions_matched: bool
+    inner_loops: int
+    fetched_bytes: int
+    written_bytes: int
+    vmem_operand_bytes: int
+    seconds: float
+
+
+@dataclasses.dataclass
+class Estimate:
+    generation: str
+    kernels: list[KernelEstimate]
+    other_ops_cycles: int
+    seconds: float
+    mxu_bound_s: float
+    hbm_bound_s: float
+
+    @property
+    def roofline_s(self) -> float:
+        return max(self.mxu_bound_s, self.hbm_bound_s)
+
+
+def _operand_memory(schedule, index: int) -> str:
+    for o in schedule.operands:
+        if o.index == index:
+            return o.memory
+    return "hbm"
+
+
+def step_cycles(rp: GridReplay, schedule: tpu_schedule.Schedule) -> tuple[np.ndarray, bool, int]:
+    """Cycles of every grid step: the loop minus the MXU regions the step
+    skips. Returns (cycles, regions matched, cycles of the pipeline's fill
+    iteration)."""
+    loop = schedule.grid_loop()
+    mxu_regions = schedule.innermost_mxu_regions(loop)
+    cycles = np.full(rp.steps, loop.cycles, dtype=np.int64)
+    if rp.mxu_taken is None:  # one of the alternative bodies runs per step
+        matched = bool(mxu_regions)
+        if matched:
+            cycles -= sum(r.cycles for r in mxu_regions) - max(r.cycles for r in mxu_regions)
+    elif not rp.mxu_taken:  # no matmul under a pl.when: every step runs all of the loop
+        matched = True
+    else:
+        matched = len(mxu_regions) == len(rp.mxu_taken)
+        if matched:
+            for region, taken in zip(mxu_regions, rp.mxu_taken):
+                cycles -= np.where(taken, 0, region.cycles)
+    # A pipelined grid loop runs one more iteration that only issues step 0's
+    # DMAs: the loop minus its step body (the region enclosing the MXU work).
+    wrappers = [r for r in schedule.regions_in(loop) if mxu_regions and all(r.contains(m) for m in mxu_regions)]
+    fill = loop.cycles - max(w.cycles for w in wrappers) if wrappers and rp.mxu_taken is not None else 0
+    return cycles, matched, fill
+
+
+def estimate_kernel(call: KernelCall, schedule: tpu_schedule.Schedule, chip: Chip,
+                    rp: GridReplay | None = None) -> KernelEstimate:
+    """``rp``: the grid replay, by default from the pallas_call's own grid."""
+    gm = call.eqn.params["grid_mapping"]
+    own_grid = rp is None
+    rp = replay(call) if own_grid else rp
+    loop = schedule.grid_loop()
+    cycles, matched, fill = step_cycles(rp, schedule)
+    first_operand = sum(1 for d in gm.grid if not isinstance(d, int)) + gm.num_index_operands
+    fetches = []
+    writeback = np.zeros(rp.steps, np.int64)
+    before = after = 0
+    for j, (idx, nbytes, out) in enumerate(zip(rp.block_indices, rp.block_bytes, rp.is_output)):
+        memory = _operand_memory(schedule, first_operand + j) if own_grid else "hbm"
+        if memory == "vmem":  # XLA copies the whole array in (or out) around the kernel
+            if out:
+                after += rp.whole_arrays[j]
+            else:
+                before += rp.whole_arrays[j]
+            continue
+        ch = changed(idx)
+        if out:  # written back when the next step moves to another block (and at the end)
+            last = np.concatenate([ch[1:], [True]]) if rp.steps else ch
+            writeback += np.where(last, nbytes, 0)
+        else:
+            buffers = rp.buffers[j] if rp.buffers else 2
+            fetches.append((np.where(ch, nbytes, 0), max(buffers - 1, 1)))
+    seconds = simulate(cycles, fetches, writeback, clock_hz=chip.clock_hz, hbm_bytes_per_s=chip.hbm_bytes_per_s,
+                       prologue_cycles=loop.start + fill,
+                       epilogue_cycles=schedule.total_cycles - loop.end,
+                       before_bytes=before, after_bytes=after)
+    fetched = int(sum(f.sum() for f, _ in fetches))
+    return KernelEstimate(call.name, rp.steps, loop.cycles, cycles, matched, len(schedule.inner_loops()),
+                          fetched, int(writeback.sum()), before + after, seconds)
+
+
+def _libtpu_dump_dir() -> pathlib.Path:
+    """libtpu reads its flags once, when it loads: the dump folder must be
+    set before the first TPU compile of the process."""
+    flag = f"--xla_jf_dump_to={DUMP_ROOT}"
+    current = os.environ.get("LIBTPU_INIT_ARGS", "")
+    if flag not in current:
+        import jax._src.xla_bridge as xb
+
+        if "tpu" in getattr(xb, "_backends", {}) or os.environ.get("_TPU_ESTIMATOR_LOADED"):
+            raise RuntimeError("libtpu was loaded before the estimator set its dump folder: "
+                               "import tpu_estimator and estimate before any other TPU compile")
+        os.environ["LIBTPU_INIT_ARGS"] = (current + " " + flag).strip()
+    os.environ["_TPU_ESTIMATOR_LOADED"] = "1"
+    DUMP_ROOT.mkdir(parents=True, exist_ok=True)
+    return DUMP_ROOT
+
+
+def chip_device(chip: Chip):
+    """One abstract device of the chip (from libtpu's topology, no TPU needed)."""
+    from jax.experimental import topologies
+
+    _libtpu_dump_dir()
+    return topologies.get_topology_desc(platform="tpu", topology_name=chip.topology).devices[0]
+
+
+def compile_with_dump(fn, args, chip: Chip) -> pathlib.Path:
+    """AOT-compile ``fn`` for one chip; returns a folder holding only this
+    compile's dump files (the caller deletes it)."""
+    import jax
+
+    root = _libtpu_dump_dir()
+    for p in root.iterdir():  # leftovers of an earlier compile
+        p.unlink() if p.is_file() else shutil.rmtree(p)
+    device = chip_device(chip)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    specs = [jax.ShapeDtypeStruct(np.shape(a), getattr(a, "dtype", None) or np.asarray(a).dtype, sharding=sharding)
+             for a in args]
+    with jax.default_device(device):  # code that asks pltpu.get_tpu_info() sees the target chip
+        jax.jit(fn).lower(*specs).compile()
+    own = pathlib.Path(tempfile.mkdtemp(prefix="tpu_dump_"))
+    for p in root.iterdir():
+        # Keep only what the estimate reads: the final schedules.
+        if p.name.endswith("-packed-bundles-post-ra.txt") and "schedule-analysis" not in p.name:
+            shutil.move(str(p), own / p.name)
+        else:
+            p.unlink() if p.is_file() else shutil.rmtree(p)
+    return own
+
+
+def estimate(fn, args, generation: str, *, flops: float, min_bytes: float, replay_for=None) -> Estimate:
+    """Estimated seconds of ``fn(*args)`` on one TensorCore of ``generation``.
+
+    ``args``: concrete numpy arrays for what decides the grid (group sizes,
+    routing), ``jax.ShapeDtypeStruct`` for the rest. ``flops`` and
+    ``min_bytes`` (what the op must move at least) give the two roofline
+    minimums the estimate is compared with. ``replay_for(call)`` may give
+    the grid replay of a kernel that runs its own pipeline (``emit_pipeline``:
+    its pallas_call has no grid); None: replay the pallas_call's grid."""
+    import jax
+
+    chip = CHIPS[generation]
+    with jax.default_device(chip_device(chip)):
+        calls = kernel_calls(fn, args)
+    if not calls:
+        raise ValueError("fn has no Pallas kernel")
+    dump = compile_with_dump(fn, args, chip)
+    try:
+        kernels, dumps = [], {}
+        for call in calls:
+            if call.name not in dumps:
+                dumps[call.name] = tpu_schedule.kernel_dumps(dump, call.name)
+            if not dumps[call.name]:
+                raise ValueError(f"more calls of {call.name!r} than compiled kernels: XLA merged or removed one")
+            schedule = tpu_schedule.read(dumps[call.name].pop(0))
+            kernels.append(estimate_kernel(call, schedule, chip, replay_for(call) if replay_for else None))
+        others = sum(tpu_schedule.other_ops_cycles(dump, {c.name for c in calls}).values())
+    finally:
+        shutil.rmtree(dump, ignore_errors=True)
+    seconds = sum(k.seconds for k in kernels) + others / chip.clock_hz
+    return Estimate(generation, kernels, others, seconds, flops / chip.bf16_flops_per_s,
+                    min_bytes / chip.hbm_bytes_per_s)

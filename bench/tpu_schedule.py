@@ -1,0 +1,188 @@
+"""Read the TPU compiler's final VLIW schedule of one kernel.
+
+libtpu writes, per HLO op, ``*-packed-bundles-post-ra.txt``: one bundle per
+line, one bundle per core cycle, empty bundles kept (TPU cores are statically
+scheduled, so a bundle count *is* a cycle count). This module parses that text
+into what the estimator needs: the grid loop, the predicated regions inside it
+(``pl.when`` bodies and the pipeline's own guards), where the MXU work sits,
+and the DMAs. Pure text processing: no jax, so the tests run on stored dumps.
+
+Facts the parser relies on (libtpu 0.0.52):
+- a bundle line starts with its index (``0`` then ``0x1``, ``0x2`` ...), an
+  optional marker (``LB:`` loop body, ``PF:`` predicated fallthrough, ...),
+  and ``{ op ;; op ... }``; long DMA comments continue on the next lines;
+- ``sbr.rel (pred) target bundleno = T`` is a relative branch with 4 delay
+  slots: the bundles ``[branch + 5, T)`` are skipped when it is taken (forward
+  branch), and a backward branch to ``T`` closes a loop of ``branch + 5 - T``
+  bundles;
+- ``dma.done.wait ..., <granules>``, ``dma.hbm_to_vmem`` / ``dma.vmem_to_hbm``
+  with ``size_in_granules=``: one granule is 32 bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+
+BRANCH_DELAY_SLOTS = 4
+GRANULE_BYTES = 32
+
+_BUNDLE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(?:([A-Z]{2}))?:\s*>*\s*\{")
+_BRANCH = re.compile(r"sbr\.rel\s*(\([^)]*\))?\s*target bundleno = (\d+)")
+_MXU_OP = re.compile(r"= vmat(?:mul|push)[\w.]*")
+_DMA_ISSUE = re.compile(r"dma\.(hbm_to_vmem|vmem_to_hbm)\b.*?size_in_granules=\*/(\d+)")
+_OPERAND = re.compile(r"inlined_call_operand\.(<no memory space>|\w+) \[shape: (.+?), index: (\d+), kind: (\w+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """Bundles ``[start, end)`` that a forward branch at ``branch`` skips when taken."""
+
+    branch: int
+    start: int
+    end: int
+    predicate: str
+    mxu_ops: int
+
+    @property
+    def cycles(self) -> int:
+        return self.end - self.start
+
+    def contains(self, other: "Region") -> bool:
+        return self.start <= other.start and other.end <= self.end and self != other
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """A loop closed by a backward branch: bundles ``[start, end)``, ``end = branch + 5``."""
+
+    start: int
+    end: int
+
+    @property
+    def cycles(self) -> int:
+        return self.end - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class Dma:
+    bundle: int
+    direction: str  # "hbm_to_vmem" or "vmem_to_hbm"
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """One operand of the kernel as the compiler placed it: ``memory`` is
+    ``hbm`` (blocks are DMA'd per grid step) or ``vmem`` (XLA put the whole
+    array in VMEM before the kernel), ``smem`` / ``<no memory space>`` for
+    scalars."""
+
+    index: int
+    kind: str  # input / output
+    memory: str
+    shape: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    bundles: tuple[str, ...]
+    loops: tuple[Loop, ...]
+    regions: tuple[Region, ...]
+    dmas: tuple[Dma, ...]
+    operands: tuple[Operand, ...]
+
+    @property
+    def total_cycles(self) -> int:
+        return len(self.bundles)
+
+    def grid_loop(self) -> Loop:
+        """The outermost loop: Pallas flattens the grid into one pipelined loop."""
+        if not self.loops:
+            raise ValueError("schedule has no loop: a kernel with a grid of one step, or not a Pallas kernel")
+        return max(self.loops, key=lambda lp: lp.cycles)
+
+    def inner_loops(self) -> tuple[Loop, ...]:
+        outer = self.grid_loop()
+        return tuple(lp for lp in self.loops if lp != outer and outer.start <= lp.start and lp.end <= outer.end)
+
+    def regions_in(self, loop: Loop) -> tuple[Region, ...]:
+        return tuple(r for r in self.regions if loop.start <= r.start and r.end <= loop.end)
+
+    def innermost_mxu_regions(self, loop: Loop) -> tuple[Region, ...]:
+        """Predicated regions with MXU work and no MXU region nested in them,
+        in bundle order: the ``pl.when`` bodies that hold the matmuls."""
+        mxu = [r for r in self.regions_in(loop) if r.mxu_ops]
+        return tuple(r for r in mxu if not any(r.contains(o) for o in mxu))
+
+    def mxu_ops_in(self, start: int, end: int) -> int:
+        return sum(len(_MXU_OP.findall(b)) for b in self.bundles[start:end])
+
+
+def parse(text: str) -> Schedule:
+    bundles: list[str] = []
+    for line in text.splitlines():
+        m = _BUNDLE.match(line)
+        if m:
+            index = int(m.group(1), 0)
+            if index != len(bundles):
+                raise ValueError(f"bundle {index} follows bundle {len(bundles) - 1}: not a packed-bundles dump")
+            bundles.append(line)
+        elif bundles:
+            bundles[-1] += "\n" + line  # a DMA comment continues
+    if not bundles:
+        raise ValueError("no bundles found: expected a *-packed-bundles-post-ra.txt dump")
+    mxu_prefix = [0]
+    for b in bundles:
+        mxu_prefix.append(mxu_prefix[-1] + len(_MXU_OP.findall(b)))
+    loops, regions, dmas, operands = [], [], [], []
+    for i, b in enumerate(bundles):
+        for pred, target in _BRANCH.findall(b):
+            target = int(target)
+            after = i + BRANCH_DELAY_SLOTS + 1
+            if target <= i:
+                loops.append(Loop(target, after))
+            elif target > after:
+                regions.append(Region(i, after, target, pred.strip("()"), mxu_prefix[target] - mxu_prefix[after]))
+        for direction, granules in _DMA_ISSUE.findall(b):
+            dmas.append(Dma(i, direction, int(granules) * GRANULE_BYTES))
+    for memory, shape, index, kind in _OPERAND.findall(bundles[0]):
+        operands.append(Operand(int(index), kind, memory, shape))
+    return Schedule(tuple(bundles), tuple(loops), tuple(regions), tuple(dmas), tuple(operands))
+
+
+def read(path: str | pathlib.Path) -> Schedule:
+    return parse(pathlib.Path(path).read_text())
+
+
+def kernel_dumps(dump_dir: str | pathlib.Path, kernel_name: str) -> list[pathlib.Path]:
+    """The post-RA bundle files of every call of the Pallas kernel named
+    ``kernel_name`` (XLA names the calls ``name``, ``name.1``, ...), in the
+    order XLA numbered them, which is program order."""
+    pattern = re.compile(r"^\d+-" + re.escape(kernel_name) + r"(?:\.(\d+))?-\d+-packed-bundles-post-ra\.txt$")
+    found = []
+    for p in pathlib.Path(dump_dir).iterdir():
+        m = pattern.match(p.name)
+        if m:
+            found.append((int(m.group(1) or 0), p))
+    if not found:
+        raise FileNotFoundError(f"no bundle dump of kernel {kernel_name!r} in {dump_dir}")
+    return [p for _, p in sorted(found)]
+
+
+def other_ops_cycles(dump_dir: str | pathlib.Path, kernel_names: set[str]) -> dict[str, int]:
+    """Static cycles of every other HLO op of the program (the routing and
+    metadata ops around the kernels), counted once each: their loops run a
+    few iterations over arrays of the expert count, so one pass is the
+    right order of magnitude and is what the estimate charges."""
+    out = {}
+    for p in pathlib.Path(dump_dir).glob("*-packed-bundles-post-ra.txt"):
+        if "schedule-analysis" in p.name or p.name.split("-", 1)[1].startswith("TLP"):
+            continue
+        op = re.sub(r"^\d+-", "", p.name).rsplit("-", 4)[0]
+        op = re.sub(r"-\d+$", "", op)
+        if any(op.startswith(k) for k in kernel_names) or op.startswith("<"):
+            continue
+        out[op] = parse(p.read_text()).total_cycles
+    return out
