@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import re
 import sys
 import time
 
@@ -98,24 +99,70 @@ def weight_specs(name, hidden, inter, experts):
             jax.ShapeDtypeStruct((experts, inter, hidden), bf16))
 
 
+def problem_size(model, tokens, rng_seed=0):
+    """Group sizes, flops, and the bytes the layer must move at least: the
+    rows in (bf16), the weights of every expert with rows, the rows out (f32)."""
+    hidden, inter, experts, top_k, _ = MODELS[model]
+    gs = routing_group_sizes(tokens, experts, top_k, np.random.default_rng(rng_seed))
+    rows = tokens * top_k
+    flops = 2.0 * rows * hidden * 3 * inter
+    used = int((gs > 0).sum())
+    min_bytes = 2.0 * (rows * hidden + used * 3 * hidden * inter) + 4.0 * rows * hidden
+    return gs, flops, min_bytes
+
+
 def estimate_one(chip, model, tokens, name, rng_seed=0):
     import jax
     import jax.numpy as jnp
 
     hidden, inter, experts, top_k, gate = MODELS[model]
-    gs = routing_group_sizes(tokens, experts, top_k, np.random.default_rng(rng_seed))
-    rows = tokens * top_k
-    x = jax.ShapeDtypeStruct((rows, hidden), jnp.bfloat16)
+    gs, flops, min_bytes = problem_size(model, tokens, rng_seed)
+    x = jax.ShapeDtypeStruct((tokens * top_k, hidden), jnp.bfloat16)
     up, down = weight_specs(name, hidden, inter, experts)
-    flops = 2.0 * rows * hidden * 3 * inter
-    used = int((gs > 0).sum())
-    min_bytes = 2.0 * (rows * hidden + used * 3 * hidden * inter) + 4.0 * rows * hidden
     fn = contender_fn(name, gate, chip)
     if name == "tokamax":
         with PipelineRecorder() as recorder:
             return tpu_estimator.estimate(fn, [x, up, down, gs], chip, flops=flops, min_bytes=min_bytes,
                                           replay_for=recorder.replay_for())
     return tpu_estimator.estimate(fn, [x, up, down, gs], chip, flops=flops, min_bytes=min_bytes)
+
+
+_LINE = re.compile(r"^\[(\S+)\] (\S+) (\d+) (ours fused|ours|tokamax|megablox): (.*)$")
+_TIME = re.compile(r"^([\d.]+) us \(roofline")
+
+
+def parse_logs(paths) -> dict:
+    """{(chip, model, tokens): {contender: seconds or error text}} from the
+    progress lines this script prints (``--from-logs``: tables from runs that
+    were cut short)."""
+    out: dict = {}
+    for path in paths:
+        for line in pathlib.Path(path).read_text().splitlines():
+            m = _LINE.match(line)
+            if m:
+                chip, model, tokens, name, rest = m.groups()
+                t = _TIME.match(rest)
+                out.setdefault((chip, model, int(tokens)), {})[name] = float(t.group(1)) * 1e-6 if t else rest
+    return out
+
+
+def table_row(chip, model, tokens, results, contenders):
+    chip_ = tpu_estimator.CHIPS[chip]
+    _, flops, min_bytes = problem_size(model, tokens)
+    mxu, hbm = flops / chip_.bf16_flops_per_s, min_bytes / chip_.hbm_bytes_per_s
+    roofline = max(mxu, hbm)
+    times = {n: v for n, v in results.items() if isinstance(v, float)}
+    notes = [f"{n}: {str(v).splitlines()[0][:70]}" for n, v in results.items() if not isinstance(v, float)]
+    best_ours = min((times[n] for n in ("ours", "ours fused") if n in times), default=None)
+    row = {"model": model, "tokens": tokens}
+    for name in contenders:
+        row[f"{name} us"] = f"{times[name] * 1e6:.1f}" if name in times else "-"
+    for peer in ("tokamax", "megablox"):
+        row[f"{peer} / ours"] = f"{times[peer] / best_ours:.2f}" if peer in times and best_ours else "-"
+    row["roofline us"] = f"{roofline * 1e6:.1f} ({'HBM' if hbm >= mxu else 'MXU'})"
+    row["ours / roofline"] = f"{best_ours / roofline:.2f}" if best_ours else "-"
+    row["notes"] = "; ".join(notes)
+    return row, times, roofline
 
 
 def main(argv=None):
@@ -125,48 +172,47 @@ def main(argv=None):
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64, 512, 4096])
     ap.add_argument("--contenders", nargs="+", default=list(CONTENDERS))
     ap.add_argument("--out", default=str(RESULTS / "tpu_estimates.md"))
+    ap.add_argument("--from-logs", nargs="+", default=None,
+                    help="build the tables from the progress output of earlier runs instead of estimating")
     args = ap.parse_args(argv)
-    from absl import flags
+    if args.from_logs:
+        results = parse_logs(args.from_logs)
+    else:
+        from absl import flags
 
-    flags.FLAGS(sys.argv[:1], known_only=True)  # tokamax reads absl flags
-    use_shipped_packages()
+        flags.FLAGS(sys.argv[:1], known_only=True)  # tokamax reads absl flags
+        use_shipped_packages()
+        results = {}
+        for chip in args.chips:
+            for model in args.models:
+                for tokens in args.tokens:
+                    cell = results.setdefault((chip, model, tokens), {})
+                    for name in args.contenders:
+                        t0 = time.time()
+                        try:
+                            est = estimate_one(chip, model, tokens, name)
+                        except Exception as exc:  # noqa: BLE001 -- a contender that cannot run a shape is reported
+                            cell[name] = f"{type(exc).__name__}: {exc}"
+                            print(f"[{chip}] {model} {tokens} {name}: {cell[name].splitlines()[0]}", file=sys.stderr)
+                            continue
+                        cell[name] = est.seconds
+                        unmatched = "" if all(k.regions_matched for k in est.kernels) else " MXU regions unmatched"
+                        print(f"[{chip}] {model} {tokens} {name}: {est.seconds * 1e6:.1f} us "
+                              f"(roofline {est.roofline_s * 1e6:.1f} us, {time.time() - t0:.0f} s){unmatched}",
+                              file=sys.stderr)
     sections, plot_rows = [], []
     for chip in args.chips:
+        keys = [k for k in results if k[0] == chip]
+        if not keys:
+            continue
         rows = []
-        for model in args.models:
-            for tokens in args.tokens:
-                times, notes, roof = {}, [], None
-                for name in args.contenders:
-                    t0 = time.time()
-                    try:
-                        est = estimate_one(chip, model, tokens, name)
-                    except Exception as exc:  # noqa: BLE001 -- a contender that cannot run this shape is reported
-                        notes.append(f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0][:70]}")
-                        print(f"[{chip}] {model} {tokens} {name}: {exc}", file=sys.stderr)
-                        continue
-                    times[name] = est.seconds
-                    roof = est
-                    if not all(k.regions_matched for k in est.kernels):
-                        notes.append(f"{name}: MXU regions not matched, every region charged")
-                    print(f"[{chip}] {model} {tokens} {name}: {est.seconds * 1e6:.1f} us "
-                          f"(roofline {est.roofline_s * 1e6:.1f} us, {time.time() - t0:.0f} s)", file=sys.stderr)
-                if not times:
-                    continue
-                best_ours = min((times[n] for n in ("ours", "ours fused") if n in times), default=None)
-                row = {"model": model, "tokens": tokens}
-                for name in args.contenders:
-                    row[f"{name} us"] = f"{times[name] * 1e6:.1f}" if name in times else "-"
-                for peer in ("tokamax", "megablox"):
-                    if peer in times and best_ours:
-                        row[f"{peer} / ours"] = f"{times[peer] / best_ours:.2f}"
-                bound = "HBM" if roof.hbm_bound_s >= roof.mxu_bound_s else "MXU"
-                row["roofline us"] = f"{roof.roofline_s * 1e6:.1f} ({bound})"
-                if best_ours:
-                    row["ours / roofline"] = f"{best_ours / roof.roofline_s:.2f}"
-                row["notes"] = "; ".join(notes)
-                rows.append(row)
-                plot_rows.append((chip, model, tokens, times, roof.roofline_s))
-        sections.append(f"## {chip} ({tpu_estimator.CHIPS[chip].topology})\n\n" + markdown(rows))
+        for _, model, tokens in sorted(keys, key=lambda k: (list(MODELS).index(k[1]), k[2])):
+            row, times, roofline = table_row(chip, model, tokens, results[(chip, model, tokens)], args.contenders)
+            rows.append(row)
+            plot_rows.append((chip, model, tokens, times, roofline))
+        missing = [f"{m} {t}" for m in args.models for t in args.tokens if (chip, m, t) not in results]
+        note = f"\n\nNot estimated in this run (cut short): {', '.join(missing)}." if missing else ""
+        sections.append(f"## {chip} ({tpu_estimator.CHIPS[chip].topology})\n\n" + markdown(rows) + note)
     out = pathlib.Path(args.out)
     out.write_text(
         "# MoE experts on TPU: estimated times, ours against the peers\n\n"
@@ -174,9 +220,12 @@ def main(argv=None):
         "schedule (`bench/tpu_estimator.py`), not measurements on a TPU; the estimator's error against "
         "measured timings is in `tpu_calibration.md`. One experts layer's two matmuls and the gate on rows "
         "sorted by expert, bf16 inputs, f32 outputs, group sizes from a random top-k routing (seed 0). "
-        "'ours' = the best of our two-matmul and fused kernels; ratios > 1: the peer is slower. "
-        "Roofline: max(MXU-bound, HBM-bound: activations + the weights of the experts that have rows).\n\n"
-        + "\n\n".join(sections) + "\n")
+        "Ratios use the best of our two kernels ('ours' = two gmm calls, 'ours fused' = one kernel); "
+        "> 1: the peer is slower. Roofline: max(MXU-bound, HBM-bound: rows in, the weights of the experts "
+        "that have rows, rows out). The peers run their defaults: at every shape here both tokamax (its "
+        "heuristics; its tuned tables do not cover these shapes) and megablox use 128 x 128 x 128 tiles, so "
+        "most of their time is per-step overhead; tuned peer tiles were not estimated. Neither peer takes "
+        "fewer than 128 rows (decode).\n\n" + "\n\n".join(sections) + "\n")
     _plot(plot_rows, out.with_suffix(".png"))
     print(f"wrote {out}")
 

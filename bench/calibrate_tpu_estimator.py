@@ -177,14 +177,39 @@ def estimate_entry(chip, key, config):
     return est, sizes_note
 
 
+_LINE = re.compile(r"^\[(\S+)\] (\d+): est ([\d.]+) ms, measured [\d.]+ ms, ratio [\d.]+ \(\d+ s\)(.*)$")
+_FAILED = re.compile(r"^\[(\S+)\] entry (\d+): (.*)$")
+
+
+def parse_logs(paths) -> dict:
+    """{(chip, entry): (estimated seconds, flags) or error text} from the
+    progress lines this script prints (``--from-logs``: a run cut short)."""
+    out = {}
+    for path in paths:
+        for line in pathlib.Path(path).read_text().splitlines():
+            if m := _LINE.match(line):
+                out[(m.group(1), int(m.group(2)))] = (float(m.group(3)) * 1e-3, m.group(4).strip(" ;"))
+            elif m := _FAILED.match(line):
+                out[(m.group(1), int(m.group(2)))] = m.group(3)
+    return out
+
+
+def _kind(key) -> str:
+    (lc, rc), _ = key["ragged_dot_dimension_numbers"]["dot_dimension_numbers"]
+    return "dlhs" if rc == [2] else ("drhs" if lc == [0] else "fwd")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chips", nargs="+", default=["v5e", "tpu7x"])
     ap.add_argument("--limit", type=int, default=None, help="at most N entries per chip (a quick look)")
+    ap.add_argument("--from-logs", nargs="+", default=None,
+                    help="build the tables from the progress output of earlier runs instead of estimating")
     args = ap.parse_args(argv)
     from absl import flags
 
     flags.FLAGS(sys.argv[:1], known_only=True)  # tokamax reads absl flags; ours are argparse's
+    logged = parse_logs(args.from_logs) if args.from_logs else None
     sections = []
     for chip in args.chips:
         rows, ratios = [], []
@@ -192,22 +217,28 @@ def main(argv=None):
             if args.limit is not None and i >= args.limit:
                 break
             t0 = time.time()
-            try:
-                est, note = estimate_entry(chip, key, config)
-            except Exception as exc:  # noqa: BLE001 -- an entry that cannot be estimated is reported, not hidden
-                rows.append(_row(key, "", config, None, measured, f"not estimated: {type(exc).__name__}: {str(exc)[:80]}"))
-                print(f"[{chip}] entry {i}: {exc}", file=sys.stderr)
+            if logged is not None:
+                if (chip, i) not in logged:
+                    continue
+                result = logged[(chip, i)]
+            else:
+                try:
+                    est, note = estimate_entry(chip, key, config)
+                    flags_ = [] if all(k.regions_matched for k in est.kernels) else ["regions unmatched"]
+                    if note != "recorded":
+                        flags_.append("equal group sizes")
+                    result = (est.seconds, ", ".join(flags_))
+                except Exception as exc:  # noqa: BLE001 -- an entry that cannot be estimated is reported
+                    result = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+            if isinstance(result, str):
+                rows.append(_row(key, _kind(key), config, None, measured, f"not estimated: {result}"))
+                print(f"[{chip}] entry {i}: {result}", file=sys.stderr)
                 continue
-            ratio = est.seconds / measured
-            ratios.append(ratio)
-            kinds = "dlhs" if key["ragged_dot_dimension_numbers"]["dot_dimension_numbers"][0][1] == [2] else (
-                "drhs" if key["ragged_dot_dimension_numbers"]["dot_dimension_numbers"][0][0] == [0] else "fwd")
-            flags = [] if all(k.regions_matched for k in est.kernels) else ["regions unmatched"]
-            if note != "recorded":
-                flags.append("equal group sizes")
-            rows.append(_row(key, kinds, config, est.seconds, measured, ", ".join(flags)))
-            print(f"[{chip}] {i}: est {est.seconds * 1e3:.3f} ms, measured {measured * 1e3:.3f} ms, "
-                  f"ratio {ratio:.2f} ({time.time() - t0:.0f} s)", file=sys.stderr)
+            seconds, notes = result
+            ratios.append(seconds / measured)
+            rows.append(_row(key, _kind(key), config, seconds, measured, notes))
+            print(f"[{chip}] {i}: est {seconds * 1e3:.3f} ms, measured {measured * 1e3:.3f} ms, "
+                  f"ratio {seconds / measured:.2f} ({time.time() - t0:.0f} s); {notes}", file=sys.stderr)
         summary = (f"{len(ratios)} entries estimated; estimate / measured: median {statistics.median(ratios):.2f}, "
                    f"min {min(ratios):.2f}, max {max(ratios):.2f}; within 10%: "
                    f"{sum(abs(r - 1) <= 0.10 for r in ratios)} of {len(ratios)}") if ratios else "no entry estimated"
