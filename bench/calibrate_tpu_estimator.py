@@ -13,6 +13,7 @@ fitted), and compare. Writes bench/results/tpu_calibration.md.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import pathlib
 import re
@@ -128,7 +129,7 @@ class PipelineRecorder:
         self.module.custom_buffered_pallas_call = self.original
 
     def replay_for(self):
-        calls = iter(range(1 << 30))
+        calls = itertools.count()
 
         def replay(call):
             import jax
@@ -142,14 +143,14 @@ class PipelineRecorder:
                 grid.append(d if isinstance(d, int) else int(np.asarray(operands.pop(0)).reshape(-1)[0]))
             prefetch = jax.tree.unflatten(prefetch_tree, [np.asarray(v) for v in operands[:prefetch_tree.num_leaves]])
             steps = int(np.prod(grid))
-            index = list(np.indices(grid).reshape(len(grid), steps))
+            index = tpu_estimator.grid_indices(grid)
             specs = list(jax.tree.leaves(grid_spec.in_specs, is_leaf=lambda x: hasattr(x, "index_map")))
             outs = list(jax.tree.leaves(grid_spec.out_specs, is_leaf=lambda x: hasattr(x, "index_map")))
             arrays = list(inputs) + list(jax.tree.leaves(out_shape))
             block_indices, block_bytes, whole = [], [], []
             for spec, arr in zip(specs + outs, arrays):
                 block = spec.index_map(*index, *prefetch)
-                block_indices.append(np.stack([np.broadcast_to(np.asarray(b), (steps,)) for b in block], axis=1))
+                block_indices.append(tpu_estimator.stack_block_indices(block, steps))
                 dims = [d for d in spec.block_shape if isinstance(d, int)]  # None / Squeezed: one row
                 block_bytes.append(int(np.prod(dims)) * np.dtype(arr.dtype).itemsize)
                 whole.append(int(np.prod(arr.shape)) * np.dtype(arr.dtype).itemsize)

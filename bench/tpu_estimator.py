@@ -88,7 +88,7 @@ _BINARY = {
 }
 _UNARY = {"neg": np.negative, "not": lambda a: ~a if a.dtype != bool else np.logical_not(a), "abs": np.abs,
           "sign": np.sign}
-_IDENTITY = {"squeeze", "reshape", "broadcast_in_dim", "copy", "copy_p"}
+_IDENTITY = {"squeeze", "reshape", "broadcast_in_dim", "copy"}
 
 
 @dataclasses.dataclass
@@ -139,6 +139,23 @@ def _walk(jaxpr):
             yield from _walk(sub)
 
 
+def _is_literal(v) -> bool:
+    from jax._src import core
+
+    return isinstance(v, core.Literal)
+
+
+def grid_indices(grid) -> list[np.ndarray]:
+    """Every grid step's indices, in Pallas' iteration order (last axis fastest)."""
+    steps = int(np.prod(grid))
+    return list(np.indices(grid).reshape(len(grid), steps)) if steps else [np.zeros(0, int)] * len(grid)
+
+
+def stack_block_indices(index_map_outputs, steps: int) -> np.ndarray:
+    """An index map's outputs (scalars or per-step arrays) as [steps, ndim]."""
+    return np.stack([np.broadcast_to(np.asarray(o), (steps,)) for o in index_map_outputs], axis=1)
+
+
 def interpret(jaxpr, inputs, *, grid_index, grid, steps, conds=None, active=None):
     """Evaluate ``jaxpr`` on per-step values. ``inputs``: numpy arrays (refs
     and scalars are both arrays; a per-step scalar has shape [steps]) or
@@ -147,18 +164,12 @@ def interpret(jaxpr, inputs, *, grid_index, grid, steps, conds=None, active=None
     from jax._src.state.indexing import NDIndexer, Slice
     from jax import tree_util
 
-    env = {}
+    env = dict(zip(jaxpr.invars, inputs))
     active = np.ones(steps, bool) if active is None else active
 
     def read(v):
-        if hasattr(v, "val") and not hasattr(v, "count"):  # Literal
-            return np.asarray(v.val)
-        return env.get(v, UNKNOWN)
+        return np.asarray(v.val) if _is_literal(v) else env.get(v, UNKNOWN)
 
-    for var, val in zip(jaxpr.invars, inputs):
-        env[var] = val
-    for c, val in zip(jaxpr.constvars, ()):
-        env[c] = val
     for e in jaxpr.eqns:
         name = e.primitive.name
         ins = [read(v) for v in e.invars]
@@ -171,18 +182,14 @@ def interpret(jaxpr, inputs, *, grid_index, grid, steps, conds=None, active=None
         elif name == "cond":
             index = ins[0]
             branches = e.params["branches"]
-            record = None
             if conds is not None and index is not UNKNOWN:
                 branch = np.where(active, np.broadcast_to(index, (steps,)), -1)
-                record = CondRecord(branch, _innermost_dot_branches(e))
-                conds.append(record)
-            for b, br in enumerate(branches):  # nested conds: run where this branch runs
-                sub_active = active & (record.branch == b) if record is not None else active & False
-                interpret(br.jaxpr, ins[1:], grid_index=grid_index, grid=grid, steps=steps,
-                          conds=conds if record is not None else None, active=sub_active)
-        elif name in ("pjit", "jit", "closed_call"):
-            sub = e.params["jaxpr"]
-            outs = interpret(sub.jaxpr, ins, grid_index=grid_index, grid=grid, steps=steps,
+                conds.append(CondRecord(branch, _innermost_dot_branches(e)))
+                for b, br in enumerate(branches):  # nested conds: recorded where this branch runs
+                    interpret(br.jaxpr, ins[1:], grid_index=grid_index, grid=grid, steps=steps,
+                              conds=conds, active=active & (branch == b))
+        elif (body := _call_body(e)) is not None:
+            outs = interpret(getattr(body, "jaxpr", body), ins, grid_index=grid_index, grid=grid, steps=steps,
                              conds=conds, active=active)
         elif not known:
             pass
@@ -266,9 +273,7 @@ def _host_eval(jaxpr, consts, inputs, calls, scope="kernel"):
     env.update(zip(jaxpr.invars, inputs))
 
     def read(v):
-        if hasattr(v, "val") and not hasattr(v, "count"):
-            return v.val
-        return env.get(v, UNKNOWN)
+        return v.val if _is_literal(v) else env.get(v, UNKNOWN)
 
     for e in jaxpr.eqns:
         ins = [read(v) for v in e.invars]
@@ -330,14 +335,14 @@ def replay(call: KernelCall) -> GridReplay:
         raise ValueError(f"{call.name}: scalar-prefetch operands depend on data the estimate was not given "
                          "(pass routing inputs as concrete arrays)")
     steps = int(np.prod(grid))
-    grid_index = list(np.indices(grid).reshape(len(grid), steps)) if steps else [np.zeros(0, int)] * len(grid)
+    grid_index = grid_indices(grid)
     block_indices, block_bytes, is_output, whole = [], [], [], []
     for j, bm in enumerate(gm.block_mappings):
         out = interpret(bm.index_map_jaxpr.jaxpr, grid_index + [np.asarray(p) for p in prefetch],
                         grid_index=grid_index, grid=grid, steps=steps)
         if any(o is UNKNOWN for o in out):
             raise ValueError(f"{call.name}: index map of operand {j} uses something the replay cannot evaluate")
-        block_indices.append(np.stack([np.broadcast_to(o, (steps,)) for o in out], axis=1))
+        block_indices.append(stack_block_indices(out, steps))
         dims = [getattr(b, "block_size", b) for b in bm.block_shape
                 if not isinstance(b, pallas_core.Squeezed) and b is not None]
         block_bytes.append(int(np.prod(dims)) * bm.array_aval.dtype.itemsize)
@@ -508,13 +513,7 @@ def _libtpu_dump_dir() -> pathlib.Path:
     flag = f"--xla_jf_dump_to={DUMP_ROOT}"
     current = os.environ.get("LIBTPU_INIT_ARGS", "")
     if flag not in current:
-        import jax._src.xla_bridge as xb
-
-        if "tpu" in getattr(xb, "_backends", {}) or os.environ.get("_TPU_ESTIMATOR_LOADED"):
-            raise RuntimeError("libtpu was loaded before the estimator set its dump folder: "
-                               "import tpu_estimator and estimate before any other TPU compile")
         os.environ["LIBTPU_INIT_ARGS"] = (current + " " + flag).strip()
-    os.environ["_TPU_ESTIMATOR_LOADED"] = "1"
     DUMP_ROOT.mkdir(parents=True, exist_ok=True)
     return DUMP_ROOT
 
@@ -544,10 +543,14 @@ def compile_with_dump(fn, args, chip: Chip) -> pathlib.Path:
     own = pathlib.Path(tempfile.mkdtemp(prefix="tpu_dump_"))
     for p in root.iterdir():
         # Keep only what the estimate reads: the final schedules.
-        if p.name.endswith("-packed-bundles-post-ra.txt") and "schedule-analysis" not in p.name:
+        if tpu_schedule.DUMP_NAME.match(p.name):
             shutil.move(str(p), own / p.name)
         else:
             p.unlink() if p.is_file() else shutil.rmtree(p)
+    if not any(own.iterdir()):
+        raise RuntimeError("libtpu wrote no schedule dump: it was loaded before the estimator set "
+                           f"--xla_jf_dump_to (LIBTPU_INIT_ARGS); run the estimate before any other TPU "
+                           "compile of the process")
     return own
 
 

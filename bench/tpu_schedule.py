@@ -156,19 +156,34 @@ def read(path: str | pathlib.Path) -> Schedule:
     return parse(pathlib.Path(path).read_text())
 
 
-def kernel_dumps(dump_dir: str | pathlib.Path, kernel_name: str) -> list[pathlib.Path]:
-    """The post-RA bundle files of every call of the Pallas kernel named
-    ``kernel_name`` (XLA names the calls ``name``, ``name.1``, ...), in the
-    order XLA numbered them, which is program order."""
-    pattern = re.compile(r"^\d+-" + re.escape(kernel_name) + r"(?:\.(\d+))?-\d+-packed-bundles-post-ra\.txt$")
-    found = []
+# "<id>-<hlo op>-<pass>-packed-bundles-post-ra.txt"; TLP and <late-...> are
+# the program's top level, not ops.
+DUMP_NAME = re.compile(r"^\d+-(.+)-\d+-packed-bundles-post-ra\.txt$")
+
+
+def _dumps_by_op(dump_dir) -> dict[str, pathlib.Path]:
+    out = {}
     for p in pathlib.Path(dump_dir).iterdir():
-        m = pattern.match(p.name)
-        if m:
-            found.append((int(m.group(1) or 0), p))
+        m = DUMP_NAME.match(p.name)
+        if m and m.group(1) != "TLP" and not m.group(1).startswith("<"):
+            out[m.group(1)] = p
+    return out
+
+
+def _op_base(op: str) -> tuple[str, int]:
+    """XLA names the calls of one kernel ``name``, ``name.1``, ..."""
+    m = re.fullmatch(r"(.+?)(?:\.(\d+))?", op)
+    return m.group(1), int(m.group(2) or 0)
+
+
+def kernel_dumps(dump_dir: str | pathlib.Path, kernel_name: str) -> list[pathlib.Path]:
+    """The bundle files of every call of the Pallas kernel ``kernel_name``,
+    in the order XLA numbered them, which is program order."""
+    found = sorted((_op_base(op)[1], p) for op, p in _dumps_by_op(dump_dir).items()
+                   if _op_base(op)[0] == kernel_name)
     if not found:
         raise FileNotFoundError(f"no bundle dump of kernel {kernel_name!r} in {dump_dir}")
-    return [p for _, p in sorted(found)]
+    return [p for _, p in found]
 
 
 def other_ops_cycles(dump_dir: str | pathlib.Path, kernel_names: set[str]) -> dict[str, int]:
@@ -176,13 +191,5 @@ def other_ops_cycles(dump_dir: str | pathlib.Path, kernel_names: set[str]) -> di
     metadata ops around the kernels), counted once each: their loops run a
     few iterations over arrays of the expert count, so one pass is the
     right order of magnitude and is what the estimate charges."""
-    out = {}
-    for p in pathlib.Path(dump_dir).glob("*-packed-bundles-post-ra.txt"):
-        if "schedule-analysis" in p.name or p.name.split("-", 1)[1].startswith("TLP"):
-            continue
-        op = re.sub(r"^\d+-", "", p.name).rsplit("-", 4)[0]
-        op = re.sub(r"-\d+$", "", op)
-        if any(op.startswith(k) for k in kernel_names) or op.startswith("<"):
-            continue
-        out[op] = parse(p.read_text()).total_cycles
-    return out
+    return {op: parse(p.read_text()).total_cycles for op, p in _dumps_by_op(dump_dir).items()
+            if _op_base(op)[0] not in kernel_names}
