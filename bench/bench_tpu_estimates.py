@@ -66,8 +66,14 @@ def contender_fn(name, gate, generation):
             return pallas_gmm.gmm(act(h), down, gs, rhs_layout="nk", out_dtype=jnp.float32, generation=generation)
     elif name == "ours fused":
         def fn(x, up, down, gs):
+            # The experts program's own rule: the row tile whose working set
+            # fits VMEM, or none (then it runs the two matmuls).
+            tm = pallas_fused_experts.fused_row_tile(gate, "nk", x.shape[0], x.shape[1], up.shape[1] // 2,
+                                                     up.shape[0], up.dtype.itemsize, generation)
+            if tm is None:
+                raise ValueError("one expert does not fit VMEM: the rule runs two matmuls")
             return pallas_fused_experts.fused_glu_experts(x, up, down, gs, gate=gate, out_dtype=jnp.float32,
-                                                          generation=generation)
+                                                          tm=tm, generation=generation)
     elif name == "tokamax":
         from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu as tk
 
@@ -146,13 +152,25 @@ def parse_logs(paths) -> dict:
     return out
 
 
+def _short_reason(error) -> str:
+    """Why a contender has no estimate, in a few words."""
+    text = str(error)
+    for needle, reason in (("CompileTimeHbmOom", "weights exceed the chip's HBM"),
+                           ("must be >= 128", "takes >= 128 rows only"),
+                           ("must be divisible by x-dimension tile size", "rows must be a multiple of its 128 tile"),
+                           ("does not fit VMEM", "rule runs two matmuls (expert > VMEM)")):
+        if needle in text:
+            return reason
+    return text.splitlines()[0][:70]
+
+
 def table_row(chip, model, tokens, results, contenders):
     chip_ = tpu_estimator.CHIPS[chip]
     _, flops, min_bytes = problem_size(model, tokens)
     mxu, hbm = flops / chip_.bf16_flops_per_s, min_bytes / chip_.hbm_bytes_per_s
     roofline = max(mxu, hbm)
     times = {n: v for n, v in results.items() if isinstance(v, float)}
-    notes = [f"{n}: {str(v).splitlines()[0][:70]}" for n, v in results.items() if not isinstance(v, float)]
+    notes = [f"{n}: {_short_reason(v)}" for n, v in results.items() if not isinstance(v, float)]
     best_ours = min((times[n] for n in ("ours", "ours fused") if n in times), default=None)
     row = {"model": model, "tokens": tokens}
     for name in contenders:
@@ -246,6 +264,10 @@ def _plot(rows, path):
             ax = axes[i][j]
             sel = [r for r in rows if r[0] == chip and r[1] == model]
             tokens = [r[2] for r in sel]
+            if not any(r[3] for r in sel):  # e.g. weights larger than the chip's HBM
+                ax.text(0.5, 0.5, "no estimate", ha="center", va="center", transform=ax.transAxes)
+                ax.set_title(f"{model}, {chip}", fontsize=9)
+                continue
             for name in CONTENDERS:
                 ys = [r[3].get(name, np.nan) / r[4] for r in sel]
                 ax.plot(tokens, ys, marker="o", label=name)
