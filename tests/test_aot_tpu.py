@@ -140,9 +140,10 @@ def test_fused_row_tile_rule_on_v6e(tokens):
     tm = program.fused_kernel_row_tile(tokens * QWEN["top_k"], inputs[3], inputs[4], None, None,
                                        "glu_silu", "nk", "v6e")
     # Qwen3-30B-A3B experts fit whole in v6e VMEM: the rule picks the fused
-    # kernel at every token count, with a smaller row tile than the grouped
-    # matmul's (256) in prefill so the working set fits.
-    assert tm == {1: 16, 64: 16, 512: 32, 4096: 128}[tokens]
+    # kernel at every token count. Rows: the 128-row floor of the tiling rule
+    # (8 rows at 1 token: one 16-row tile), and in prefill a smaller tile than
+    # the grouped matmul's (256) so the working set fits.
+    assert tm == {1: 16, 64: 128, 512: 128, 4096: 128}[tokens]
 
 
 def test_fused_kernel_rule_refuses_gpt_oss_experts():

@@ -82,10 +82,13 @@ def test_forward_f32(layout, kind):
     rng = np.random.default_rng([SEED, KINDS.index(kind), layout == "nk"])
     m, k, n, g = int(rng.integers(1, 70)), int(rng.integers(1, 150)), int(rng.integers(1, 140)), int(rng.integers(1, 7))
     lhs, rhs, sizes = _inputs(rng, m, k, n, g, kind, layout, jnp.float32)
-    out = _gmm(lhs, rhs, sizes, layout, jnp.float32)
-    assert out.shape == (m, n)
-    _assert_close(out, reference.ragged_dot(lhs, rhs, sizes, layout), jnp.float32, k,
-                  f"gmm m={m} k={k} n={n} sizes={sizes.tolist()}")
+    # The rule's tiles (at these sizes one row tile: its 128-row floor) and
+    # 8-row tiles, so group boundaries fall inside and between row tiles.
+    for tiling in (None, (8, 128, 128)):
+        out = _gmm(lhs, rhs, sizes, layout, jnp.float32, tiling=tiling)
+        assert out.shape == (m, n)
+        _assert_close(out, reference.ragged_dot(lhs, rhs, sizes, layout), jnp.float32, k,
+                      f"gmm m={m} k={k} n={n} sizes={sizes.tolist()} tiling={tiling}")
 
 
 @pytest.mark.parametrize("layout", ["nk", "kn"])
@@ -183,3 +186,21 @@ def test_fused_glu_experts_kernel(kind):
         a, b = rows @ gate_up[g, :i].T, rows @ gate_up[g, i:].T
         want[starts[g]:ends[g]] = (a / (1 + np.exp(-a)) * b) @ down[g].T
     _assert_close(got, want, jnp.float32, h, f"fused experts sizes={sizes.tolist()}")
+
+
+@pytest.mark.parametrize("generation", ["v4", "v5e", "v5p", "v6e"])
+def test_row_tile_rule(generation):
+    """tm: the average group size as a power of two, within the generation's
+    bounds (a 128-row floor where the TPU estimator measured one), never more
+    than M rounded up to the sublane tile."""
+    from ragged_dot_tpu.gmm import tiling
+
+    caps = tiling.TILE_CAPS[generation]
+    floor = max(caps.tm_min, 16)
+    for m, g, expected in [(512, 128, floor),  # decode: 4 rows per group
+                           (4096, 128, max(32, floor)),
+                           (32768, 128, 256),
+                           (8192, 8, 512),  # 1024 rows per group: capped
+                           (8, 128, 16)]:  # fewer rows than a sublane tile
+        assert tiling.row_tile(m, g, 2, generation) == expected, (generation, m, g)
+    assert tiling.TILE_CAPS["v5e"].tm_min == tiling.TILE_CAPS["v6e"].tm_min == 128
