@@ -195,6 +195,11 @@ def test_one_real_compile_estimate_at_or_above_both_rooflines():
 
 
 def test_no_hub_kernel_imports_a_benchmark_peer():
-    offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "kernels").rglob("*.py")
-                 if any(w in p.read_text() for w in ("import tokamax", "from tokamax", "megablox", "tpu_estimator"))]
+    import re
+
+    # Import statements only: a docstring may cite the estimator a rule came from.
+    peer_import = re.compile(r"^\s*(?:from|import)\s+(?:tokamax|tpu_estimator|tpu_schedule|jax\.experimental\.pallas\.ops\.tpu\.megablox)\b"
+                             r"|^\s*from\s+jax\.experimental\.pallas\.ops\.tpu\s+import\s+megablox", re.M)
+    offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "kernels").rglob("*.py") if peer_import.search(p.read_text())]
     assert offenders == []
+    assert peer_import.search("x = 1\nfrom tokamax._src import ops\n")  # the pattern does catch an import
