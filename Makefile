@@ -18,5 +18,6 @@ bench:
 	$(ENV) $(PY) bench/bench_ragged_dot.py
 	$(ENV) $(PY) bench/bench_experts.py
 	$(ENV) $(PY) bench/bench_attention.py
+	$(ENV) $(PY) bench/bench_attention_tpu.py
 	$(ENV) $(PY) bench/calibrate_tpu_estimator.py
 	$(ENV) $(PY) bench/bench_tpu_estimates.py

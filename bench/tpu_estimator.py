@@ -217,7 +217,11 @@ def interpret(jaxpr, inputs, *, grid_index, grid, steps, conds=None, active=None
                 if not any(isinstance(i, Slice) for i in idx):
                     index = tuple(np.asarray(i) for i in idx)
             if index is not None and np.ndim(ref) == len(index):
-                outs = [np.asarray(ref)[np.broadcast_arrays(*index)] if index else np.asarray(ref)]
+                # Clipped: a kernel may read past a table on steps whose result it
+                # discards (SMEM reads are not bounds-checked on the chip either).
+                array = np.asarray(ref)
+                index = [np.clip(i, 0, n - 1) for i, n in zip(np.broadcast_arrays(*index), array.shape)]
+                outs = [array[tuple(index)] if index else array]
         for var, val in zip(e.outvars, outs):
             env[var] = val
     return [read(v) for v in jaxpr.outvars]

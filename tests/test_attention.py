@@ -10,6 +10,7 @@ import torch
 import attention_tpu
 import reference
 from attention_tpu.attention import blocks, masks, pallas_flash
+from attention_tpu.common import tpu_generations
 
 SEED = int(os.environ.get("TEST_SEED", np.random.SeedSequence().entropy % (2**31)))
 IMPLS = ["native", "interpret"]
@@ -100,6 +101,75 @@ def test_several_blocks_with_tails_and_skipping(block_sizes):
         _check(got, want, torch.float32, f"blocks {block_sizes} causal={causal} window={window}")
 
 
+@pytest.mark.parametrize("kv_splits", [2, 3, 5])
+def test_kv_splits_merge_to_one_softmax(kv_splits):
+    """Keys split in parts whose partial softmaxes are merged: splits that see no
+    key (left padding, a short cache) weigh nothing; sinks join after the merge."""
+    q, k, v, sinks = _inputs((3, 8, 2, 2, 700, 16, 16), torch.float32, seed=12)
+    start, end = np.array([0, 5, 600], np.int32), np.array([700, 333, 640], np.int32)
+    for causal, window in ((True, 0), (True, 90), (False, 0)):
+        visible = reference.attention_rule_mask(start, end, 2, 700, causal=causal, window=window)
+        got = attention_tpu.attention(q, k, v, attention_mask=torch.from_numpy(visible), causal=causal,
+                                      window=window, sinks=sinks, block_sizes=(16, 128), kv_splits=kv_splits,
+                                      impl="interpret")
+        want = reference.attention(q, k, v, visible, scale=0.25, sinks=sinks.numpy())
+        _check(got, want, torch.float32, f"kv_splits={kv_splits} causal={causal} window={window}")
+
+
+def _brute_force_table(start, end, *, rows, sq, skv, block_q, block_k, causal, window):
+    """Per (batch, query block): first/last KV block any real row sees, and the
+    blocks every real row sees whole, from the dense float64 reference mask."""
+    visible = reference.attention_rule_mask(start, end, sq, skv, causal=causal, window=window)[:, 0]
+    by_row = np.concatenate([visible] * (rows // sq), axis=1)  # rows = head-major (head, query)
+    out = []
+    for b in range(len(start)):
+        for r0 in range(0, rows, block_q):
+            block = by_row[b, r0:r0 + block_q]
+            blocks_seen = [kb for kb in range(-(-skv // block_k)) if block[:, kb * block_k:(kb + 1) * block_k].any()]
+            whole = [kb for kb in range(-(-skv // block_k))
+                     if (kb + 1) * block_k <= skv and block[:, kb * block_k:(kb + 1) * block_k].all()]
+            out.append((blocks_seen, whole))
+    return out
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_visit_table_matches_the_dense_mask(trial):
+    """The per-call table the kernel walks by: every visible block is inside
+    [FIRST, LAST], the ends are visible, and exactly the whole blocks skip the mask."""
+    rng = np.random.default_rng(SEED + trial)
+    b, group, sq, skv = 3, int(rng.integers(1, 4)), int(rng.integers(1, 40)), int(rng.integers(1, 700))
+    block_q, block_k = int(rng.choice([8, 16, 24])), int(rng.choice([128, 256]))
+    start = rng.integers(0, skv, b).astype(np.int32)
+    end = np.minimum(skv, start + rng.integers(0, skv, b)).astype(np.int32)
+    causal, window = bool(rng.integers(0, 2)), int(rng.choice([0, 1, 50, 300]))
+    rows = group * sq
+    table = np.asarray(pallas_flash.visit_table(
+        np.asarray(start), np.asarray(end), num_q_blocks=-(-rows // block_q), block_q=block_q, block_k=block_k,
+        rows=rows, sq=sq, skv=skv, causal=causal, window=window)).reshape(-1, 4)
+    want = _brute_force_table(start, end, rows=rows, sq=sq, skv=skv, block_q=block_q, block_k=block_k,
+                              causal=causal, window=window)
+    for (first, last, full_first, full_last), (seen, whole) in zip(table, want):
+        if seen:
+            assert (first, last) == (seen[0], seen[-1]), (first, last, seen)
+        else:
+            assert last < first
+        assert list(range(full_first, full_last + 1)) == whole, (full_first, full_last, whole)
+
+
+def test_sliding_window_grid_walks_only_the_window():
+    """A causal window shrinks the KV grid axis to the window's blocks, counted
+    from each query block's first visible block; numerics unchanged."""
+    q, k, v, _ = _inputs((2, 4, 2, 64, 1100, 16, 16), torch.float32, seed=13)
+    start, end = np.array([0, 100], np.int32), np.array([1100, 1000], np.int32)
+    plan = pallas_flash.kv_block_plan(start, end, rows=128, sq=64, skv=1100, causal=True, window=100,
+                                      block_sizes=(32, 128))
+    assert plan.grid_steps <= plan.dense // 3 and plan.live <= plan.grid_steps
+    visible = reference.attention_rule_mask(start, end, 64, 1100, causal=True, window=100)
+    got = attention_tpu.attention(q, k, v, attention_mask=torch.from_numpy(visible), window=100,
+                                  block_sizes=(32, 128), impl="interpret")
+    _check(got, reference.attention(q, k, v, visible, scale=0.25), torch.float32, "window-relative grid")
+
+
 def test_mask_none_means_the_rule_over_every_key():
     q, k, v, _ = _inputs(SHAPES["few_tokens_long_cache"], torch.float32, seed=6)
     for causal, window in ((True, 0), (True, 40), (False, 0)):
@@ -157,15 +227,32 @@ def test_key_ranges_of_padding_and_static_cache_masks():
 ])
 def test_masked_blocks_cost_no_compute_and_no_dma(sq, skv, causal, window, live_at_most):
     kv_end = 1000 if sq == 1 else skv
-    live, fetched, dense = pallas_flash.kv_block_plan([0], [kv_end], rows=4 * sq, sq=sq, skv=skv,
-                                                      causal=causal, window=window)
-    assert live <= live_at_most * dense
-    assert fetched <= live + 1  # a skipped step re-uses the block in VMEM
+    plan = pallas_flash.kv_block_plan([0], [kv_end], rows=4 * sq, sq=sq, skv=skv, causal=causal, window=window,
+                                      block_sizes=(min(4 * sq, 512), 512))
+    assert plan.live <= live_at_most * plan.dense
+    assert plan.fetched <= plan.live + 1  # a skipped step re-uses the block in VMEM
+    if window:  # the grid itself spans only the window's blocks
+        assert plan.grid_steps <= 3 * plan.dense // (skv // 512)
 
 
 def test_block_rule_and_overrides():
-    assert blocks.choose_blocks(8, 32768) == (8, 512)  # one decode token of 8 heads: an 8-row block
-    assert blocks.choose_blocks(32768, 100) == (512, 100)
+    assert blocks.choose_blocks(8, 32768) == (8, blocks.DECODE_BLOCK_K)  # decode: 8 rows, long key blocks
+    assert blocks.choose_blocks(8, 3000) == (8, 3000)  # all keys in one block
+    assert blocks.choose_blocks(32768, 100) == (blocks.PREFILL_BLOCK, 100)
+    assert blocks.choose_blocks(32768, 32768) == (blocks.PREFILL_BLOCK,) * 2
+    assert blocks.choose_blocks(32768, 32768, window=128) == (blocks.WINDOW_BLOCK,) * 2
+    assert blocks.choose_blocks(200, 32768) == (200, blocks.PREFILL_BLOCK)
+    # VMEM decides: head_dim 512 decode blocks shrink on v4 (12 MiB budget), not on v6e.
+    assert blocks.choose_blocks(4, 32768, head_dim=512, generation="v4")[1] < blocks.DECODE_BLOCK_K
+    assert blocks.choose_blocks(4, 32768, head_dim=512, generation="v6e")[1] == blocks.DECODE_BLOCK_K
+    for gen in ("v4", "v5e", "v5p", "v6e"):
+        for rows, d in ((4, 512), (32768, 256), (64, 128)):
+            bq, bk = blocks.choose_blocks(rows, 32768, head_dim=d, generation=gen)
+            assert blocks.working_set_bytes(bq, bk, d, d, 2) <= tpu_generations.get_generation(gen).vmem_budget
+    # Splits: only where a second TensorCore would otherwise idle.
+    assert blocks.choose_kv_splits(1, 1, 8, "v5p") == 2 and blocks.choose_kv_splits(1, 1, 8, "v4") == 2
+    assert blocks.choose_kv_splits(1, 1, 8, "v6e") == 1 and blocks.choose_kv_splits(8, 1, 8, "v5p") == 1
+    assert blocks.choose_kv_splits(1, 4, 8, "v5p") == 1  # prefill: query blocks are the parallel work
     q, k, v, _ = _inputs(SHAPES["mha"], torch.float32, seed=10)
     with pytest.raises(ValueError, match="block_k must be a multiple of 128"):
         attention_tpu.attention(q, k, v, block_sizes=(8, 100), impl="interpret")
@@ -186,6 +273,7 @@ BAD = [
     ("softcap must be", lambda q, k, v: ((q, k, v), {"softcap": float("inf")})),
     ("one device", lambda q, k, v: ((q, k, v.to("meta")), {})),
     ("impl must be", lambda q, k, v: ((q, k, v), {"impl": "cuda"})),
+    ("kv_splits must be a positive int", lambda q, k, v: ((q, k, v), {"kv_splits": 0})),
 ]
 
 

@@ -27,7 +27,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_forward_compiles(generation, case, record_property):
     b, hq, hkv, sq, skv, d, window, softcap, sinks = CASES[case]
-    block_q, block_k = blocks.choose_blocks(hq // hkv * sq, skv)
+    block_q, block_k = blocks.choose_blocks(hq // hkv * sq, skv, head_dim=d, window=window, generation=generation)
     working_set = blocks.working_set_bytes(block_q, block_k, d, d, 2)
     assert working_set <= tpu_generations.get_generation(generation).vmem_budget
     record_property("blocks", (block_q, block_k))
@@ -66,3 +66,15 @@ def test_f32_and_odd_shapes_compile():
                                                             generation="v5e")
     aot.compile_for("v5e", fn, ((2, 6, 77, 80), jnp.float32), ((2, 3, 300, 80), jnp.float32),
                     ((2, 3, 300, 48), jnp.float32), ((2,), jnp.int32), ((2,), jnp.int32))
+
+
+@pytest.mark.parametrize("generation", ["v5p", "v6e"])
+def test_split_kv_decode_compiles(generation):
+    """One MQA decode stream (a single parallel (batch, head) pair): the keys split
+    in two parts merged after the kernel, the rule's choice on megacore v5p."""
+    def fn(q, k, v, start, end):
+        return pallas_flash.flash_attention(q, k, v, start, end, causal=True, kv_splits=2, generation=generation)
+
+    assert blocks.choose_kv_splits(1, 1, 8, generation) == (2 if generation == "v5p" else 1)
+    aot.compile_for(generation, fn, ((1, 8, 1, 128), jnp.bfloat16), ((1, 1, 32768, 128), jnp.bfloat16),
+                    ((1, 1, 32768, 128), jnp.bfloat16), ((1,), jnp.int32), ((1,), jnp.int32))

@@ -3,14 +3,17 @@
 Measured on this project's CPU host with an AOT VMEM probe through libtpu
 (jax 0.10.2's ``pltpu`` TPU-info tables agree):
 
-=========  =============  ====================  =========
-chip       VMEM per core  default scoped limit  MXU width
-=========  =============  ====================  =========
-v4         16 MiB         16 MiB                128
-v5e        128 MiB        16 MiB                128
-v5p        64 MiB         16 MiB                128
-v6e        128 MiB        32 MiB                256
-=========  =============  ====================  =========
+=========  =============  ====================  =========  ============
+chip       VMEM per core  default scoped limit  MXU width  TensorCores
+=========  =============  ====================  =========  ============
+v4         16 MiB         16 MiB                128        2 (megacore)
+v5e        128 MiB        16 MiB                128        1
+v5p        64 MiB         16 MiB                128        2 (megacore)
+v6e        128 MiB        32 MiB                256        1
+=========  =============  ====================  =========  ============
+
+TensorCores per device are the documented chip facts (v4 and v5p pair two
+cores as one "megacore" device; v5e and v6e have one).
 
 A kernel whose working set passes the default scoped limit must pass its
 own ``vmem_limit_bytes``. The rule here: every kernel asks for
@@ -34,6 +37,7 @@ class TpuGeneration:
     vmem_bytes: int  # physical VMEM per TensorCore
     default_scoped_vmem: int  # Mosaic's limit when a kernel sets none
     mxu: int  # systolic array width (lanes of an MXU operand tile)
+    tensorcores: int = 1  # TensorCores behind one device: "parallel" grid axes are split over them (megacore)
 
     @property
     def vmem_limit(self) -> int:
@@ -49,9 +53,9 @@ class TpuGeneration:
 GENERATIONS = {
     g.name: g
     for g in (
-        TpuGeneration("v4", 16 * MIB, 16 * MIB, 128),
+        TpuGeneration("v4", 16 * MIB, 16 * MIB, 128, tensorcores=2),
         TpuGeneration("v5e", 128 * MIB, 16 * MIB, 128),
-        TpuGeneration("v5p", 64 * MIB, 16 * MIB, 128),
+        TpuGeneration("v5p", 64 * MIB, 16 * MIB, 128, tensorcores=2),
         TpuGeneration("v6e", 128 * MIB, 32 * MIB, 256),
     )
 }

@@ -1,30 +1,93 @@
-"""Block sizes of the flash attention kernel, by a documented rule (pure Python).
+"""Block sizes and KV splits of the flash attention kernels, by a documented rule
+(pure Python).
 
 Rows are the query rows of one KV head's group, flattened (``G * Sq``: see
-``pallas_flash``). The rule:
+``pallas_flash``). Forward rule:
 
-* ``block_q``: all rows when they fit in ``MAX_BLOCK_Q`` (decode: ``G`` rows
-  for one token, so a single token never pads a 128-row block), else
-  ``MAX_BLOCK_Q``, a multiple of every sublane tile and of the MXU width;
-* ``block_k``: all keys when they fit in ``MAX_BLOCK_K``, else ``MAX_BLOCK_K``
-  (a multiple of 128 lanes, and of v6e's 256-wide MXU).
+* decode, rows <= ``DECODE_MAX_ROWS`` (one token of G heads is a G-row block,
+  never a padded 128-row one): ``block_q`` = all rows, ``block_k`` =
+  ``DECODE_BLOCK_K``;
+* causal sliding window: ``WINDOW_BLOCK`` x ``WINDOW_BLOCK`` (the grid walks
+  only the window's blocks, so short blocks waste the least);
+* prefill otherwise: ``PREFILL_BLOCK`` x ``PREFILL_BLOCK``;
+* ``block_q`` is at most the rows and ``block_k`` all keys when they fit in
+  one block; ``block_k`` is halved (not below ``MIN_BLOCK_K``) until the
+  working set fits the generation's VMEM budget.
 
-512 x 512 score tiles keep the working set (double-buffered q, k, v, out
-blocks, the f32 scores and accumulator) under 8 MiB at head dim 512 in bf16,
-within every generation's VMEM budget (``common.tpu_generations``: 12 MiB on
-v4, 24 MiB elsewhere). Callers may pass their own sizes (``block_sizes=``),
-checked by ``check_blocks``.
+Why (``bench/bench_attention_tpu.py``; the TPU estimator, from libtpu's own
+schedule of the kernel, bf16): a grid step costs a fixed ~500-1000 cycles of
+pipeline bookkeeping whatever it computes, so blocks are as long as VMEM and
+the mask allow.
+
+==========================================  ==========  ===========  ===========
+case (estimated us)                         blocks      v5e          v6e
+==========================================  ==========  ===========  ===========
+Llama-3-8B decode, batch 8, 32k keys        4 x 512     2898         2875
+                                            4 x 4096    1313 (1.00)  656 (1.00)
+Llama-3-8B causal prefill 8k                512 x 512   --           5488
+                                            512 x 2048  5994         3532
+                                            1024 x 1024 6024         3193
+                                            1024 x 2048 --           3118
+gpt-oss sliding-128 prefill 8k (D 64)       512 x 512   --           2402
+                                            512 x 1024  --           2536
+                                            1024 x 512  --           3008
+==========================================  ==========  ===========  ===========
+
+(1.00: at the HBM-bound time.) Decode blocks longer than 4096 gain nothing
+and waste reads in a partly filled cache (the last block is read whole).
+
+The backward keeps ``BACKWARD_BLOCK`` x ``BACKWARD_BLOCK`` tiles (its
+kernels hold f32 dk/dv or dq accumulators besides the tiles).
+
+``choose_kv_splits``: on a megacore chip (v4, v5p) a decode call whose only
+parallel work is a single (batch, head) pair would leave one TensorCore idle;
+the keys are split in one part per TensorCore and the partial softmaxes
+merged. On single-core chips a split only adds the merge: one part.
+
+Callers may pass their own sizes (``block_sizes=``, checked by
+``check_blocks``) and splits (``kv_splits=``).
 """
 
 from __future__ import annotations
 
-MAX_BLOCK_Q = 512
-MAX_BLOCK_K = 512
+from ..common import tpu_generations
+
+PREFILL_BLOCK = 1024
+WINDOW_BLOCK = 512
+DECODE_MAX_ROWS = 128
+DECODE_BLOCK_K = 4096
+MIN_BLOCK_K = 512
+BACKWARD_BLOCK = 512
 
 
-def choose_blocks(rows: int, kv_len: int) -> tuple[int, int]:
-    """``(block_q, block_k)`` for ``rows`` flattened query rows and ``kv_len`` keys."""
-    return (rows if rows <= MAX_BLOCK_Q else MAX_BLOCK_Q), (kv_len if kv_len <= MAX_BLOCK_K else MAX_BLOCK_K)
+def choose_blocks(rows: int, kv_len: int, *, head_dim: int = 128, v_dim: int | None = None, itemsize: int = 2,
+                  window: int = 0, generation: str | None = None) -> tuple[int, int]:
+    """Forward ``(block_q, block_k)`` for ``rows`` flattened query rows, ``kv_len``
+    keys and a causal sliding ``window`` (0: none)."""
+    if rows <= DECODE_MAX_ROWS:
+        block_q, block_k = rows, DECODE_BLOCK_K
+    else:
+        block_q = block_k = WINDOW_BLOCK if window else PREFILL_BLOCK
+        block_q = min(block_q, rows)
+    budget = tpu_generations.get_generation(generation).vmem_budget
+    v_dim = head_dim if v_dim is None else v_dim
+    while block_k > MIN_BLOCK_K and working_set_bytes(block_q, block_k, head_dim, v_dim, itemsize) > budget:
+        block_k //= 2
+    return block_q, (kv_len if kv_len <= block_k else block_k)
+
+
+def choose_backward_blocks(rows: int, kv_len: int) -> tuple[int, int]:
+    """Backward ``(block_q, block_k)``: at most ``BACKWARD_BLOCK`` each, or all of them."""
+    return min(rows, BACKWARD_BLOCK), min(kv_len, BACKWARD_BLOCK)
+
+
+def choose_kv_splits(parallel_units: int, num_q_blocks: int, num_kv_blocks: int, generation: str | None) -> int:
+    """Parts the keys are split into (see the module docstring): ``parallel_units``
+    is the number of (batch, KV head) pairs."""
+    cores = tpu_generations.get_generation(generation).tensorcores
+    if cores == 1 or num_q_blocks > 1 or parallel_units * num_q_blocks >= cores:
+        return 1
+    return min(cores, num_kv_blocks)
 
 
 def check_blocks(block_q: int, block_k: int, rows: int, kv_len: int) -> None:
@@ -36,6 +99,11 @@ def check_blocks(block_q: int, block_k: int, rows: int, kv_len: int) -> None:
         raise ValueError(f"attention: block_q must be a multiple of 8 or all {rows} rows, got {block_q}")
     if block_k % 128 and block_k != kv_len:
         raise ValueError(f"attention: block_k must be a multiple of 128 or all {kv_len} keys, got {block_k}")
+
+
+def check_kv_splits(kv_splits: int) -> None:
+    if not isinstance(kv_splits, int) or isinstance(kv_splits, bool) or kv_splits <= 0:
+        raise ValueError(f"attention: kv_splits must be a positive int or None, got {kv_splits!r}")
 
 
 def working_set_bytes(block_q: int, block_k: int, head_dim: int, v_dim: int, itemsize: int) -> int:

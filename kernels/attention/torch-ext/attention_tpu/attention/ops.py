@@ -27,7 +27,7 @@ FUNCTION = "attention"
 IMPLS = ("native", "interpret")
 
 _STATIC = (("causal", "int"), ("window", "int"), ("softcap", "float"), ("scale", "float"),
-           ("block_q", "int"), ("block_k", "int"))
+           ("block_q", "int"), ("block_k", "int"), ("kv_splits", "int"))
 # Forward: (out [B, Hq, Sq, Dv], lse [B, Hkv, G * Sq, 1]); lse is what the backward needs.
 FLASH_ATTENTION = OpDecl("flash_attention", (
     ("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("kv_start", "Tensor"), ("kv_end", "Tensor"),
@@ -43,9 +43,12 @@ TPU_FLASH_ATTENTION_BWD = FLASH_ATTENTION_BWD.extended("flash_attention_bwd_tpu"
 STATIC_NAMES = tuple(name for name, _ in _STATIC)
 
 
-def _kernel_kwargs(causal, window, softcap, scale, block_q, block_k):
-    return dict(causal=bool(causal), window=window, softcap=softcap, scale=scale,
-                block_sizes=None if (block_q, block_k) == (0, 0) else (block_q, block_k))
+def _kernel_kwargs(causal, window, softcap, scale, block_q, block_k, kv_splits, backward=False):
+    """Kernel keywords from the op's statics (0: the rule decides); the backward
+    has no KV splits (it walks KV blocks in parallel already)."""
+    kwargs = dict(causal=bool(causal), window=window, softcap=softcap, scale=scale,
+                  block_sizes=None if (block_q, block_k) == (0, 0) else (block_q, block_k))
+    return kwargs if backward else dict(kwargs, kv_splits=kv_splits or None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,8 +63,9 @@ def _interpreted(kernel: str, **static):
 
 def _run_interpreted(kernel, tensors, static):
     j = jax_bridge.to_jax
+    backward = kernel == "flash_attention_backward"
     with jax_bridge.INTERPRET_LOCK:
-        outs = _interpreted(kernel, **_kernel_kwargs(**static))(*(j(t) for t in tensors))
+        outs = _interpreted(kernel, **_kernel_kwargs(**static, backward=backward))(*(j(t) for t in tensors))
         return tuple(jax_bridge.to_torch(o) for o in outs)
 
 
@@ -97,7 +101,8 @@ def _tpu_flash_bwd(q, k, v, out, lse, dout, kv_start, kv_end, sinks, **static):
     from . import pallas_flash
 
     return pallas_flash.flash_attention_backward(q, k, v, out, lse, dout, kv_start, kv_end, sinks,
-                                                 generation=current_generation(), **_kernel_kwargs(**static))
+                                                 generation=current_generation(),
+                                                 **_kernel_kwargs(**static, backward=True))
 
 
 def _register_autograd(forward_op, forward_decl: OpDecl, backward_op, backward_decl: OpDecl):
@@ -132,7 +137,7 @@ if torch_ops.tpu_available():
 
 def attention(query, key, value, *, attention_mask=None, causal: bool = True, window: int = 0,
               softcap: float = 0.0, sinks=None, scale: float | None = None, block_sizes=None,
-              impl: str = "auto") -> torch.Tensor:
+              kv_splits: int | None = None, impl: str = "auto") -> torch.Tensor:
     """Scaled dot-product attention with GQA: ``[B, Hq, Sq, D] x [B, Hkv, Skv, D]
     x [B, Hkv, Skv, Dv] -> [B, Hq, Sq, Dv]``.
 
@@ -144,12 +149,15 @@ def attention(query, key, value, *, attention_mask=None, causal: bool = True, wi
     cache); other masks raise there and run on the native path.
     ``scale`` defaults to ``D ** -0.5`` and is applied before ``softcap``
     (``cap * tanh(s / cap)``); ``sinks [Hq]`` join each softmax's denominator.
-    ``block_sizes=(block_q, block_k)`` replaces the rule of ``blocks.py``.
+    ``block_sizes=(block_q, block_k)`` and ``kv_splits`` (parts the keys are
+    split into, partial softmaxes merged) replace the rules of ``blocks.py``.
     """
     scale = query.shape[-1] ** -0.5 if scale is None and isinstance(query, torch.Tensor) else scale
     softcap = softcap or 0.0
     validation.check_attention_args(query, key, value, attention_mask, sinks, window=window, softcap=softcap,
                                     scale=scale)
+    if kv_splits is not None:
+        blocks.check_kv_splits(kv_splits)
     b, hq, sq, _ = query.shape
     skv = key.shape[2]
     mask = None if attention_mask is None else masks.as_bool_mask(attention_mask)
@@ -178,7 +186,8 @@ def attention(query, key, value, *, attention_mask=None, causal: bool = True, wi
         blocks.check_blocks(block_q, block_k, (hq // key.shape[1]) * sq, skv)
     params = dict(q=query, k=key, v=value, kv_start=kv_start, kv_end=kv_end,
                   sinks=None if sinks is None else sinks.float(), causal=int(bool(causal)), window=window,
-                  softcap=float(softcap), scale=float(scale), block_q=block_q, block_k=block_k)
+                  softcap=float(softcap), scale=float(scale), block_q=block_q, block_k=block_k,
+                  kv_splits=kv_splits or 0)
     if device == "tpu":
         return TPU_OPS.get(TPU_FLASH_ATTENTION.name)(*TPU_FLASH_ATTENTION.args(params))[0]
     return host_flash_attention(*FLASH_ATTENTION.args(params))[0]

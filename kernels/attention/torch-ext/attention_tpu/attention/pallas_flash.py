@@ -36,9 +36,12 @@ skipped tiles; the sinks' gradient is a reduction outside the kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import typing
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -88,87 +91,253 @@ def _kv_block_range(b, q_block, kv_start_ref, kv_end_ref, *, block_q, block_k, s
     return _div(lo, block_k), _div(jnp.maximum(hi, 0) + block_k - 1, block_k) - 1
 
 
-def _flash_kernel(kv_start_ref, kv_end_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref, *,
-                  block_q: int, block_k: int, sq: int, skv: int, causal: bool, window: int, softcap: float,
-                  scale: float, num_kv_blocks: int):
-    b, q_block, kv_block = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    first, last = _kv_block_range(b, q_block, kv_start_ref, kv_end_ref, block_q=block_q, block_k=block_k,
-                                  sq=sq, causal=causal, window=window)
+# Columns of the per-(batch, query block) visit table, derived once per call
+# on the host side of the kernel (XLA) and scalar-prefetched into SMEM.
+FIRST, LAST, FULL_FIRST, FULL_LAST = range(4)
+LOG2_E = 1.4426950408889634
+TABLE_COLUMNS = 4
 
-    @pl.when(kv_block == 0)
+
+def _query_index_bounds(num_q_blocks: int, *, block_q: int, rows: int, sq: int):
+    """Smallest and largest query index ``i`` among the real rows of each query block."""
+    r0 = np.arange(num_q_blocks) * block_q
+    r1 = np.minimum(r0 + block_q, rows) - 1
+    spans_heads = r1 // sq != r0 // sq
+    return np.where(spans_heads, 0, r0 % sq), np.where(spans_heads, sq - 1, r1 % sq)
+
+
+def visit_table(kv_start, kv_end, *, num_q_blocks: int, block_q: int, block_k: int, rows: int, sq: int,
+                skv: int, causal: bool, window: int):
+    """int32 ``[B * num_q_blocks * 4]``: per (batch, query block) the KV blocks
+    ``[FIRST, LAST]`` any of its rows sees (``LAST < FIRST``: none) and the
+    blocks ``[FULL_FIRST, FULL_LAST]`` every row sees whole (no mask needed).
+
+    Rows see ``[lo(p), hi(p))`` with ``lo(p) = max(start, p - window + 1)`` and
+    ``hi(p) = min(end, Skv, p + 1)`` at query position ``p``; both grow with p,
+    so the union over a block is ``[lo(p_min), hi(p_max))`` and the
+    intersection ``[lo(p_max), hi(p_min))``."""
+    first_i, last_i = _query_index_bounds(num_q_blocks, block_q=block_q, rows=rows, sq=sq)
+    start = kv_start.astype(jnp.int32)[:, None]
+    end = kv_end.astype(jnp.int32)[:, None]
+    p_min, p_max = end - sq + jnp.asarray(first_i, jnp.int32), end - sq + jnp.asarray(last_i, jnp.int32)
+
+    def lo(p):
+        return jnp.maximum(start, p - window + 1) if window else jnp.broadcast_to(start, p.shape)
+
+    def hi(p):
+        h = jnp.minimum(end, skv)
+        return jnp.minimum(h, p + 1) if causal else jnp.broadcast_to(h, p.shape)
+
+    any_lo, any_hi = lo(p_min), hi(p_max)
+    all_lo, all_hi = lo(p_max), hi(p_min)
+    first = any_lo // block_k
+    last = jnp.where(any_hi > any_lo, (any_hi + block_k - 1) // block_k - 1, first - 1)
+    full_first = (all_lo + block_k - 1) // block_k
+    full_last = jnp.where(all_hi > all_lo, all_hi // block_k - 1, -1)
+    return jnp.stack([first, last, full_first, full_last], axis=-1).astype(jnp.int32).reshape(-1)
+
+
+def _table_entry(table_ref, b, q_block, column, num_q_blocks):
+    return table_ref[(b * num_q_blocks + q_block) * TABLE_COLUMNS + column]
+
+
+STAT_LANES = 128  # row statistics are kept replicated over one vreg's lanes
+
+
+def _lanes(stat, width: int):
+    """A ``[rows, STAT_LANES]`` lane-replicated statistic as ``[rows, width]``.
+    Whole-vreg copies (concatenation) for multiples of 128 lanes and a lane
+    slice below: neither needs the cross-lane unit, unlike broadcasting a
+    ``[rows, 1]`` column, which costs one XLU broadcast per vreg row and was
+    what bounded a tile's schedule."""
+    if width == STAT_LANES:
+        return stat
+    if width % STAT_LANES == 0:
+        return jnp.concatenate([stat] * (width // STAT_LANES), axis=1)
+    if width < STAT_LANES:
+        return stat[:, :width]
+    return jnp.broadcast_to(stat[:, :1], (stat.shape[0], width))
+
+
+def _online_softmax_step(s, v, m_ref, l_ref, acc_ref, *, masked: bool, exp):
+    """Fold one tile of scores ``s [block_q, block_k]`` into the running max,
+    denominator and accumulator (``exp``: ``jnp.exp``, or ``jnp.exp2`` when the
+    scores are in base 2). ``masked``: ``s`` may hold ``-inf`` (a row may have
+    seen no key yet), so the max is made safe before ``exp``."""
+    m_prev = m_ref[...]  # [block_q, STAT_LANES]
+    m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+    p = exp(s - _lanes(shift, s.shape[1]))
+    alpha = exp(m_prev - shift)
+    l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
+    acc_ref[...] = _lanes(alpha, acc_ref.shape[1]) * acc_ref[...] + dot_f32(p.astype(v.dtype), v, 1, 0)
+    m_ref[...] = m_new
+
+
+def _flash_kernel(table_ref, kv_start_ref, kv_end_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref,
+                  *, block_q: int, block_k: int, sq: int, skv: int, causal: bool, window: int, softcap: float,
+                  scale: float, num_q_blocks: int, blocks_per_split: int, window_relative: bool):
+    b, split, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    entry = functools.partial(_table_entry, table_ref, b, q_block, num_q_blocks=num_q_blocks)
+    kv_block = _kv_block_of_step(entry, split, step, blocks_per_split, window_relative)
+    live = (kv_block >= entry(FIRST)) & (kv_block <= entry(LAST))
+    whole = (kv_block >= entry(FULL_FIRST)) & (kv_block <= entry(FULL_LAST))
+
+    @pl.when(step == 0)
     def _init():
         m_ref[...] = jnp.full_like(m_ref, -jnp.inf)
         l_ref[...] = jnp.zeros_like(l_ref)
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when((kv_block >= first) & (kv_block <= last))
-    def _accumulate():
+    # Without soft-capping the scores are kept in base 2: log2(e) joins the
+    # scale on q (a [block_q, D] product, not a [block_q, block_k] one) and
+    # exp2 needs no multiply of its own.
+    base2 = not softcap
+    exp = jnp.exp2 if base2 else jnp.exp
+
+    def scores():
+        q = q_ref[...]
+        if base2:
+            q = (q.astype(jnp.float32) * (scale * LOG2_E)).astype(q.dtype)
+            return dot_f32(q, k_ref[...], 1, 1)  # [block_q, block_k]
+        s = dot_f32(q, k_ref[...], 1, 1) * scale
+        return softcap * jnp.tanh(s / softcap)
+
+    @pl.when(live & whole)
+    def _interior():  # every row sees every key of the block: no mask at all
+        _online_softmax_step(scores(), v_ref[...], m_ref, l_ref, acc_ref, masked=False, exp=exp)
+
+    @pl.when(live & jnp.logical_not(whole))
+    def _edge():
         start, end = kv_start_ref[b], kv_end_ref[b]
-        q, k, v = q_ref[...], k_ref[...], v_ref[...]
-        s = dot_f32(q, k, 1, 1) * scale  # [block_q, block_k]
-        if softcap:
-            s = softcap * jnp.tanh(s / softcap)
-        rows = q_block * block_q + lax.broadcasted_iota(jnp.int32, s.shape, 0)
-        keys = kv_block * block_k + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        pos = end - sq + _rem(rows, sq)
-        visible = (keys >= start) & (keys < end) & (keys < skv)
-        if causal:
-            visible &= keys <= pos
-        if window:
-            visible &= keys > pos - window
-        s = jnp.where(visible, s, -jnp.inf)
-        m_prev = m_ref[...]
-        m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-        safe_m = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that saw nothing yet
-        p = jnp.exp(s - safe_m)
-        alpha = jnp.exp(m_prev - safe_m)
-        l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
-        if skv % block_k:  # the tail block holds rows past Skv: garbage, zeroed
+        # Per-row bounds as a [block_q, 1] column: the [block_q, block_k] tile
+        # pays two compares and a select, not the integer arithmetic.
+        rows = q_block * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+        pos = end - sq + (_rem(rows, sq) if sq > 1 else 0)
+        hi = jnp.minimum(end, skv)
+        hi = jnp.minimum(hi, pos + 1) if causal else hi
+        lo = jnp.maximum(start, pos - window + 1) if window else start
+        keys = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+        s = jnp.where((keys >= lo) & (keys < hi), scores(), -jnp.inf)
+        v = v_ref[...]
+        if skv % block_k:  # the tail block holds rows past Skv: garbage, zeroed (0 * NaN is NaN)
             key_rows = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
             v = jnp.where(key_rows < skv, v.astype(jnp.float32), 0.0).astype(v.dtype)
-        acc_ref[...] = alpha * acc_ref[...] + dot_f32(p.astype(v.dtype), v, 1, 0)
-        m_ref[...] = m_new
+        _online_softmax_step(s, v, m_ref, l_ref, acc_ref, masked=True, exp=exp)
 
-    @pl.when(kv_block == num_kv_blocks - 1)
+    @pl.when(step == blocks_per_split - 1)
     def _finish():
         l = l_ref[...]
         seen = l > 0
-        o_ref[...] = jnp.where(seen, acc_ref[...] / jnp.where(seen, l, 1.0), 0.0).astype(o_ref.dtype)
-        lse_ref[...] = jnp.where(seen, m_ref[...] + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+        inv = _lanes(jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0), acc_ref.shape[1])
+        o_ref[...] = (acc_ref[...] * inv).astype(o_ref.dtype)
+        m = m_ref[...][:, :1] / LOG2_E if base2 else m_ref[...][:, :1]  # lse is natural-log
+        lse_ref[...] = jnp.where(seen[:, :1], m + jnp.log(jnp.where(seen[:, :1], l[:, :1], 1.0)), -jnp.inf)
 
 
-def kv_block_plan(kv_start, kv_end, *, rows: int, sq: int, skv: int, causal: bool, window: int,
-                  block_sizes=None):
-    """The kernel's own visit plan, for tests and benchmarks: ``(live, fetched)``
-    counts of KV block steps that compute, and of K/V block fetches (a fetch
-    happens when the clamped block index changes between consecutive steps),
-    next to the dense count ``B * q_blocks * kv_blocks``."""
-    import numpy as np
-
-    block_q, block_k = block_sizes or blocks_lib.choose_blocks(rows, skv)
-    num_q_blocks, num_kv_blocks = cdiv(rows, block_q), cdiv(skv, block_k)
-    static = dict(block_q=block_q, block_k=block_k, sq=sq, causal=causal, window=window)
-    starts, ends = jnp.asarray(kv_start, jnp.int32), jnp.asarray(kv_end, jnp.int32)
-    live = fetched = 0
-    for b in range(starts.shape[0]):
-        previous = None
-        for qb in range(num_q_blocks):
-            first, last = (int(x) for x in _kv_block_range(b, qb, starts, ends, **static))
-            lo = min(max(first, 0), num_kv_blocks - 1)
-            hi = min(max(last, lo), num_kv_blocks - 1)
-            for kb in range(num_kv_blocks):
-                live += first <= kb <= last
-                index = int(np.clip(kb, lo, hi))
-                fetched += index != previous
-                previous = index
-    return live, fetched, starts.shape[0] * num_q_blocks * num_kv_blocks
+def _kv_block_of_step(entry, split, step, blocks_per_split: int, window_relative: bool):
+    """The KV block a grid step works on: counted from block 0, or, for a
+    sliding window, from the query block's first visible block (the grid then
+    spans only the window's blocks, not the whole key axis)."""
+    kv_block = split * blocks_per_split + step
+    return kv_block + entry(FIRST) if window_relative else kv_block
 
 
-def _prepare(q, k, v, block_sizes, causal, window):
+def _clamped_kv_index(table_ref, b, q_block, kv_block, *, num_q_blocks, num_kv_blocks):
+    """The KV block a step reads: ``kv_block`` clamped into ``[FIRST, LAST]``, so
+    a step with nothing to do stays on a neighbouring block and starts no DMA."""
+    entry = functools.partial(_table_entry, table_ref, b, q_block, num_q_blocks=num_q_blocks)
+    lo = jnp.clip(entry(FIRST), 0, num_kv_blocks - 1)
+    return jnp.clip(kv_block, lo, jnp.clip(entry(LAST), lo, num_kv_blocks - 1))
+
+
+def _forward_plan(q, k, v, block_sizes, kv_splits, generation, causal, window):
     batch, hq, sq, d = q.shape
     _, hkv, skv, dv = v.shape
     rows = hq // hkv * sq
-    block_q, block_k = block_sizes or blocks_lib.choose_blocks(rows, skv)
+    block_q, block_k = block_sizes or blocks_lib.choose_blocks(
+        rows, skv, head_dim=d, v_dim=dv, itemsize=q.dtype.itemsize, window=window if causal else 0,
+        generation=generation)
+    num_q_blocks, num_kv_blocks = cdiv(rows, block_q), cdiv(skv, block_k)
+    kv_steps, window_relative = _kv_steps(num_kv_blocks, block_q=block_q, block_k=block_k, sq=sq, causal=causal,
+                                          window=window)
+    splits = kv_splits or blocks_lib.choose_kv_splits(batch * hkv, num_q_blocks, kv_steps, generation)
+    splits = max(1, min(splits, kv_steps))
+    return _Plan(rows, block_q, block_k, num_q_blocks, num_kv_blocks, splits, cdiv(kv_steps, splits),
+                 window_relative)
+
+
+def _kv_steps(num_kv_blocks: int, *, block_q: int, block_k: int, sq: int, causal: bool, window: int):
+    """``(steps, window_relative)``: KV grid steps per query block. A causal
+    sliding window bounds the keys a query block sees to ``span - 1 + window``
+    (``span``: the query positions of one block, ``block_q`` when blocks do not
+    straddle heads, else ``Sq``), so the grid walks only that many blocks from
+    the first visible one; otherwise it walks every KV block."""
+    if not (causal and window):
+        return num_kv_blocks, False
+    span = block_q if sq % block_q == 0 else sq
+    bound = cdiv(span - 1 + window, block_k) + 1  # +1: the span may start mid-block
+    return (bound, True) if bound < num_kv_blocks else (num_kv_blocks, False)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    rows: int
+    block_q: int
+    block_k: int
+    num_q_blocks: int
+    num_kv_blocks: int
+    splits: int
+    per_split: int
+    window_relative: bool
+
+
+def kv_block_plan(kv_start, kv_end, *, rows: int, sq: int, skv: int, causal: bool, window: int,
+                  block_sizes=None, kv_splits=None, head_dim: int = 128, generation=None):
+    """The forward kernel's own visit plan, for tests and benchmarks, per KV
+    head: a ``VisitPlan`` of the KV block steps that compute, the K/V block
+    fetches (a fetch happens when the clamped block index changes between
+    consecutive steps), the grid's steps, and the dense count (every query
+    block against every KV block)."""
+    shape = jax.ShapeDtypeStruct((1, rows // sq, sq, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 1, skv, head_dim), jnp.bfloat16)
+    plan = _forward_plan(shape, kv, kv, block_sizes, kv_splits, generation, causal, window)
+    starts, ends = np.asarray(kv_start, np.int32), np.asarray(kv_end, np.int32)
+    table = np.asarray(visit_table(jnp.asarray(starts), jnp.asarray(ends), num_q_blocks=plan.num_q_blocks,
+                                   block_q=plan.block_q, block_k=plan.block_k, rows=rows, sq=sq, skv=skv,
+                                   causal=causal, window=window)).reshape(len(starts), plan.num_q_blocks,
+                                                                          TABLE_COLUMNS)
+    live = fetched = 0
+    for b in range(len(starts)):
+        previous = None
+        for split in range(plan.splits):
+            for qb in range(plan.num_q_blocks):
+                entry = lambda column: int(table[b, qb, column])  # noqa: E731
+                lo = min(max(entry(FIRST), 0), plan.num_kv_blocks - 1)
+                hi = min(max(entry(LAST), lo), plan.num_kv_blocks - 1)
+                for step in range(plan.per_split):
+                    kb = _kv_block_of_step(entry, split, step, plan.per_split, plan.window_relative)
+                    live += bool(entry(FIRST) <= kb <= entry(LAST))
+                    index = min(max(kb, lo), hi)
+                    fetched += index != previous
+                    previous = index
+    return VisitPlan(live, fetched, len(starts) * plan.num_q_blocks * plan.splits * plan.per_split,
+                     len(starts) * plan.num_q_blocks * plan.num_kv_blocks)
+
+
+class VisitPlan(typing.NamedTuple):
+    live: int
+    fetched: int
+    grid_steps: int
+    dense: int
+
+
+def _prepare(q, k, v, block_sizes, causal, window):
+    """Backward shapes and blocks (the backward keeps the in-kernel visibility rule)."""
+    batch, hq, sq, d = q.shape
+    _, hkv, skv, dv = v.shape
+    rows = hq // hkv * sq
+    block_q, block_k = block_sizes or blocks_lib.choose_backward_blocks(rows, skv)
     static = dict(block_q=block_q, block_k=block_k, sq=sq, causal=causal, window=window)
     return batch, hq, hkv, sq, skv, d, dv, rows, static
 
@@ -183,49 +352,92 @@ def _kv_index_map(static, num_kv_blocks):
     return kv_index
 
 
+def merge_splits(out_splits, lse_splits):
+    """One softmax from per-split partial ones: ``out [.., S, rows, Dv]`` (each
+    normalised over its split's keys) and ``lse [.., S, rows, 1]`` -> the
+    attention over all keys and its log-sum-exp (splits that saw no key have
+    ``lse = -inf`` and weigh nothing)."""
+    top = lse_splits.max(axis=-3, keepdims=True)
+    shift = jnp.where(top == -jnp.inf, 0.0, top)
+    weight = jnp.exp(lse_splits - shift)
+    total = weight.sum(axis=-3)
+    seen = total > 0
+    out = (weight * out_splits).sum(axis=-3) / jnp.where(seen, total, 1.0)
+    lse = jnp.where(seen, shift[..., 0, :, :] + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+    return out, lse
+
+
 def flash_attention_with_lse(q, k, v, kv_start, kv_end, sinks=None, *, causal: bool = True, window: int = 0,
                              softcap: float = 0.0, scale: float | None = None, block_sizes=None,
-                             generation: str | None = None, interpret=False):
+                             kv_splits: int | None = None, generation: str | None = None, interpret=False):
     """``(out [B, Hq, Sq, Dv], lse [B, Hkv, G * Sq, 1])``: the attention and the
-    log-sum-exp of each row's softmax, sinks included (what the backward needs)."""
-    batch, hq, hkv, sq, skv, d, dv, rows, static = _prepare(q, k, v, block_sizes, causal, window)
+    log-sum-exp of each row's softmax, sinks included (what the backward needs).
+
+    ``kv_splits``: split the keys into that many parallel parts whose partial
+    softmaxes are merged afterwards (``blocks.choose_kv_splits`` when None)."""
+    batch, hq, sq, d = q.shape
+    _, hkv, skv, dv = v.shape
     scale = d ** -0.5 if scale is None else scale
+    rows = hq // hkv * sq
     if 0 in (batch, hq, sq, dv) or skv == 0:
         lse = jnp.full((batch, hkv, rows, 1), -jnp.inf, jnp.float32)
         if sinks is not None:  # no key: the sink alone
             lse = _per_row(sinks.astype(jnp.float32), batch, hkv, hq // hkv, sq)
         return jnp.zeros((batch, hq, sq, dv), q.dtype), lse
-    block_q, block_k = static["block_q"], static["block_k"]
-    num_q_blocks, num_kv_blocks = cdiv(rows, block_q), cdiv(skv, block_k)
-    kv_index = _kv_index_map(static, num_kv_blocks)
-    row_block = lambda b, h, qb, kb, *_: (b, h, qb, 0)  # noqa: E731
-    kernel = functools.partial(_flash_kernel, skv=skv, softcap=float(softcap), scale=float(scale),
-                               num_kv_blocks=num_kv_blocks, **static)
+    plan = _forward_plan(q, k, v, block_sizes, kv_splits, generation, causal, window)
+    table = visit_table(kv_start, kv_end, num_q_blocks=plan.num_q_blocks, block_q=plan.block_q,
+                        block_k=plan.block_k, rows=rows, sq=sq, skv=skv, causal=causal, window=window)
+    block_q, block_k, splits, per_split = plan.block_q, plan.block_k, plan.splits, plan.per_split
+    where = dict(num_q_blocks=plan.num_q_blocks, num_kv_blocks=plan.num_kv_blocks)
+
+    def kv_at(b, h, split, qb, step, table_ref, *_):
+        entry = functools.partial(_table_entry, table_ref, b, qb, num_q_blocks=plan.num_q_blocks)
+        kv_block = _kv_block_of_step(entry, split, step, per_split, plan.window_relative)
+        return b, h, _clamped_kv_index(table_ref, b, qb, kv_block, **where), 0
+
+    def rows_at(b, h, split, qb, step, *_):
+        return b, h, qb, 0
+
+    def split_rows_at(b, h, split, qb, step, *_):
+        return b, h, split, qb, 0
+
+    kernel = functools.partial(_flash_kernel, block_q=block_q, block_k=block_k, sq=sq, skv=skv, causal=causal,
+                               window=window, softcap=float(softcap), scale=float(scale),
+                               num_q_blocks=plan.num_q_blocks, blocks_per_split=per_split,
+                               window_relative=plan.window_relative)
+    # One split: the final output in q's dtype; several: f32 partials to merge.
+    out_dtype = q.dtype if splits == 1 else jnp.float32
+    operands = (q, k, v, kv_start, kv_end)
     out, lse = pl.pallas_call(
         kernel,
-        out_shape=(out_struct((batch, hkv, rows, dv), q.dtype, q, k, v, kv_start, kv_end),
-                   out_struct((batch, hkv, rows, 1), jnp.float32, q, k, v, kv_start, kv_end)),
+        out_shape=(out_struct((batch, hkv, splits, rows, dv), out_dtype, *operands),
+                   out_struct((batch, hkv, splits, rows, 1), jnp.float32, *operands)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
-            grid=(batch, hkv, num_q_blocks, num_kv_blocks),
-            in_specs=[pl.BlockSpec((None, None, block_q, d), row_block),
-                      pl.BlockSpec((None, None, block_k, d), kv_index),
-                      pl.BlockSpec((None, None, block_k, dv), kv_index)],
-            out_specs=[pl.BlockSpec((None, None, block_q, dv), row_block),
-                       pl.BlockSpec((None, None, block_q, 1), row_block)],
-            scratch_shapes=[pltpu.VMEM((block_q, 1), jnp.float32), pltpu.VMEM((block_q, 1), jnp.float32),
+            num_scalar_prefetch=3,
+            grid=(batch, hkv, splits, plan.num_q_blocks, per_split),
+            in_specs=[pl.BlockSpec((None, None, block_q, d), rows_at),
+                      pl.BlockSpec((None, None, block_k, d), kv_at),
+                      pl.BlockSpec((None, None, block_k, dv), kv_at)],
+            out_specs=[pl.BlockSpec((None, None, None, block_q, dv), split_rows_at),
+                       pl.BlockSpec((None, None, None, block_q, 1), split_rows_at)],
+            scratch_shapes=[pltpu.VMEM((block_q, STAT_LANES), jnp.float32),
+                            pltpu.VMEM((block_q, STAT_LANES), jnp.float32),
                             pltpu.VMEM((block_q, dv), jnp.float32)],
         ),
-        compiler_params=compiler_params(generation, ("parallel", "parallel", "parallel", "arbitrary")),
+        compiler_params=compiler_params(generation, ("parallel",) * 4 + ("arbitrary",)),
         interpret=interpret,
         name="flash_attention_fwd",
-    )(kv_start.astype(jnp.int32), kv_end.astype(jnp.int32), q.reshape(batch, hkv, rows, d), k, v)
+    )(table, kv_start.astype(jnp.int32), kv_end.astype(jnp.int32), q.reshape(batch, hkv, rows, d), k, v)
+    if splits == 1:
+        out, lse = out[:, :, 0], lse[:, :, 0]
+    else:
+        out, lse = merge_splits(out, lse)
     if sinks is not None:
         # softmax over [scores, sink] = softmax(scores) * 1 / (1 + exp(sink - lse))
         sink_rows = _per_row(sinks.astype(jnp.float32), batch, hkv, hq // hkv, sq)
-        out = (out.astype(jnp.float32) * jax.nn.sigmoid(lse - sink_rows)).astype(q.dtype)
+        out = out.astype(jnp.float32) * jax.nn.sigmoid(lse - sink_rows)
         lse = jnp.logaddexp(lse, sink_rows)
-    return out.reshape(batch, hq, sq, dv), lse
+    return out.astype(q.dtype).reshape(batch, hq, sq, dv), lse
 
 
 def _per_row(per_head, batch, hkv, group, sq):
