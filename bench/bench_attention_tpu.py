@@ -128,7 +128,7 @@ def block_plan_row(label, b, hq, hkv, sq, skv, filled, d, window, generation):
     from attention_tpu.attention import blocks, pallas_flash
 
     rows = hq // hkv * sq
-    block_q, block_k = blocks.choose_blocks(rows, skv, head_dim=d, generation=generation)
+    block_q, block_k = blocks.choose_blocks(rows, skv, head_dim=d, window=window, generation=generation)
     plan = pallas_flash.kv_block_plan([0], [filled], rows=rows, sq=sq, skv=skv, causal=True, window=window,
                                       head_dim=d, generation=generation)
     return {"case": label, "generation": generation, "blocks (q, k)": (block_q, block_k),
