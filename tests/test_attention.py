@@ -233,6 +233,21 @@ def test_masked_blocks_cost_no_compute_and_no_dma(sq, skv, causal, window, live_
     assert plan.fetched <= plan.live + 1  # a skipped step re-uses the block in VMEM
     if window:  # the grid itself spans only the window's blocks
         assert plan.grid_steps <= 3 * plan.dense // (skv // 512)
+    if sq == 1:  # and only the filled part of a static cache: 2 blocks of 512 for 1000 keys
+        assert plan.grid_steps == 2
+
+
+def test_a_call_where_no_row_sees_a_key_still_writes_zeros():
+    """The KV grid axis is sized by the data; with nothing visible anywhere it
+    keeps one step, so every output is still initialised and stored."""
+    q, k, v, _ = _inputs((2, 4, 2, 3, 300, 16, 16), torch.float32, seed=14)
+    empty = torch.zeros(2, 1, 3, 300, dtype=torch.bool)
+    empty[1, 0, 2, 299] = True  # one key for one query of one batch row
+    got = attention_tpu.attention(q, k, v, attention_mask=empty[:1].expand(2, 1, 3, 300), impl="interpret")
+    assert (got == 0).all()
+    want = reference.attention(q, k, v, empty.numpy(), scale=0.25)
+    _check(attention_tpu.attention(q, k, v, attention_mask=empty, impl="interpret", block_sizes=(8, 128)), want,
+           torch.float32, "one visible key")
 
 
 def test_block_rule_and_overrides():

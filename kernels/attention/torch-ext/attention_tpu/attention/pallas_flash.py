@@ -174,12 +174,12 @@ def _online_softmax_step(s, v, m_ref, l_ref, acc_ref, *, masked: bool, exp):
     m_ref[...] = m_new
 
 
-def _flash_kernel(table_ref, kv_start_ref, kv_end_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref,
-                  *, block_q: int, block_k: int, sq: int, skv: int, causal: bool, window: int, softcap: float,
-                  scale: float, num_q_blocks: int, blocks_per_split: int, window_relative: bool):
+def _flash_kernel(table_ref, steps_ref, kv_start_ref, kv_end_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref,
+                  l_ref, acc_ref, *, block_q: int, block_k: int, sq: int, skv: int, causal: bool, window: int,
+                  softcap: float, scale: float, num_q_blocks: int):
     b, split, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     entry = functools.partial(_table_entry, table_ref, b, q_block, num_q_blocks=num_q_blocks)
-    kv_block = _kv_block_of_step(entry, split, step, blocks_per_split, window_relative)
+    kv_block = _kv_block_of_step(entry, split, step, pl.num_programs(4))
     live = (kv_block >= entry(FIRST)) & (kv_block <= entry(LAST))
     whole = (kv_block >= entry(FULL_FIRST)) & (kv_block <= entry(FULL_LAST))
 
@@ -225,7 +225,7 @@ def _flash_kernel(table_ref, kv_start_ref, kv_end_ref, q_ref, k_ref, v_ref, o_re
             v = jnp.where(key_rows < skv, v.astype(jnp.float32), 0.0).astype(v.dtype)
         _online_softmax_step(s, v, m_ref, l_ref, acc_ref, masked=True, exp=exp)
 
-    @pl.when(step == blocks_per_split - 1)
+    @pl.when(step == pl.num_programs(4) - 1)
     def _finish():
         l = l_ref[...]
         seen = l > 0
@@ -235,12 +235,11 @@ def _flash_kernel(table_ref, kv_start_ref, kv_end_ref, q_ref, k_ref, v_ref, o_re
         lse_ref[...] = jnp.where(seen[:, :1], m + jnp.log(jnp.where(seen[:, :1], l[:, :1], 1.0)), -jnp.inf)
 
 
-def _kv_block_of_step(entry, split, step, blocks_per_split: int, window_relative: bool):
-    """The KV block a grid step works on: counted from block 0, or, for a
-    sliding window, from the query block's first visible block (the grid then
-    spans only the window's blocks, not the whole key axis)."""
-    kv_block = split * blocks_per_split + step
-    return kv_block + entry(FIRST) if window_relative else kv_block
+def _kv_block_of_step(entry, split, step, steps_per_split):
+    """The KV block a grid step works on, counted from the query block's first
+    visible block: the grid's KV axis spans only the most blocks any query
+    block sees (a window's, a static cache's filled part), not every block."""
+    return entry(FIRST) + split * steps_per_split + step
 
 
 def _clamped_kv_index(table_ref, b, q_block, kv_block, *, num_q_blocks, num_kv_blocks):
@@ -259,25 +258,29 @@ def _forward_plan(q, k, v, block_sizes, kv_splits, generation, causal, window):
         rows, skv, head_dim=d, v_dim=dv, itemsize=q.dtype.itemsize, window=window if causal else 0,
         generation=generation)
     num_q_blocks, num_kv_blocks = cdiv(rows, block_q), cdiv(skv, block_k)
-    kv_steps, window_relative = _kv_steps(num_kv_blocks, block_q=block_q, block_k=block_k, sq=sq, causal=causal,
-                                          window=window)
+    kv_steps = _max_kv_steps(num_kv_blocks, block_q=block_q, block_k=block_k, sq=sq, causal=causal, window=window)
     splits = kv_splits or blocks_lib.choose_kv_splits(batch * hkv, num_q_blocks, kv_steps, generation)
-    splits = max(1, min(splits, kv_steps))
-    return _Plan(rows, block_q, block_k, num_q_blocks, num_kv_blocks, splits, cdiv(kv_steps, splits),
-                 window_relative)
+    return _Plan(rows, block_q, block_k, num_q_blocks, num_kv_blocks, max(1, min(splits, kv_steps)), kv_steps)
 
 
-def _kv_steps(num_kv_blocks: int, *, block_q: int, block_k: int, sq: int, causal: bool, window: int):
-    """``(steps, window_relative)``: KV grid steps per query block. A causal
-    sliding window bounds the keys a query block sees to ``span - 1 + window``
-    (``span``: the query positions of one block, ``block_q`` when blocks do not
-    straddle heads, else ``Sq``), so the grid walks only that many blocks from
-    the first visible one; otherwise it walks every KV block."""
+def _max_kv_steps(num_kv_blocks: int, *, block_q: int, block_k: int, sq: int, causal: bool, window: int) -> int:
+    """Static bound on the KV blocks one query block sees: every block, or for
+    a causal sliding window ``span - 1 + window`` keys (``span``: the query
+    positions of one block, ``block_q`` when blocks do not straddle heads, else
+    ``Sq``). The grid's KV axis is the data's own maximum (``kv_steps``), at
+    most this."""
     if not (causal and window):
-        return num_kv_blocks, False
+        return num_kv_blocks
     span = block_q if sq % block_q == 0 else sq
-    bound = cdiv(span - 1 + window, block_k) + 1  # +1: the span may start mid-block
-    return (bound, True) if bound < num_kv_blocks else (num_kv_blocks, False)
+    return min(num_kv_blocks, cdiv(span - 1 + window, block_k) + 1)  # +1: the span may start mid-block
+
+
+def kv_steps(table, *, max_steps: int, splits: int):
+    """KV grid steps per split: the most blocks any (batch, query block) sees,
+    at least one (the first and last steps initialise and store)."""
+    entries = table.reshape(-1, TABLE_COLUMNS)
+    most = jnp.clip(jnp.max(entries[:, LAST] - entries[:, FIRST] + 1), 1, max_steps)
+    return (most + splits - 1) // splits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,8 +291,7 @@ class _Plan:
     num_q_blocks: int
     num_kv_blocks: int
     splits: int
-    per_split: int
-    window_relative: bool
+    max_steps: int  # static bound of the KV grid axis (before splitting)
 
 
 def kv_block_plan(kv_start, kv_end, *, rows: int, sq: int, skv: int, causal: bool, window: int,
@@ -307,6 +309,7 @@ def kv_block_plan(kv_start, kv_end, *, rows: int, sq: int, skv: int, causal: boo
                                    block_q=plan.block_q, block_k=plan.block_k, rows=rows, sq=sq, skv=skv,
                                    causal=causal, window=window)).reshape(len(starts), plan.num_q_blocks,
                                                                           TABLE_COLUMNS)
+    per_split = int(kv_steps(jnp.asarray(table), max_steps=plan.max_steps, splits=plan.splits))
     live = fetched = 0
     for b in range(len(starts)):
         previous = None
@@ -315,13 +318,13 @@ def kv_block_plan(kv_start, kv_end, *, rows: int, sq: int, skv: int, causal: boo
                 entry = lambda column: int(table[b, qb, column])  # noqa: E731
                 lo = min(max(entry(FIRST), 0), plan.num_kv_blocks - 1)
                 hi = min(max(entry(LAST), lo), plan.num_kv_blocks - 1)
-                for step in range(plan.per_split):
-                    kb = _kv_block_of_step(entry, split, step, plan.per_split, plan.window_relative)
+                for step in range(per_split):
+                    kb = _kv_block_of_step(entry, split, step, per_split)
                     live += bool(entry(FIRST) <= kb <= entry(LAST))
                     index = min(max(kb, lo), hi)
                     fetched += index != previous
                     previous = index
-    return VisitPlan(live, fetched, len(starts) * plan.num_q_blocks * plan.splits * plan.per_split,
+    return VisitPlan(live, fetched, len(starts) * plan.num_q_blocks * plan.splits * per_split,
                      len(starts) * plan.num_q_blocks * plan.num_kv_blocks)
 
 
@@ -387,12 +390,13 @@ def flash_attention_with_lse(q, k, v, kv_start, kv_end, sinks=None, *, causal: b
     plan = _forward_plan(q, k, v, block_sizes, kv_splits, generation, causal, window)
     table = visit_table(kv_start, kv_end, num_q_blocks=plan.num_q_blocks, block_q=plan.block_q,
                         block_k=plan.block_k, rows=rows, sq=sq, skv=skv, causal=causal, window=window)
-    block_q, block_k, splits, per_split = plan.block_q, plan.block_k, plan.splits, plan.per_split
+    block_q, block_k, splits = plan.block_q, plan.block_k, plan.splits
+    per_split = kv_steps(table, max_steps=plan.max_steps, splits=splits)  # traced: a dynamic grid axis
     where = dict(num_q_blocks=plan.num_q_blocks, num_kv_blocks=plan.num_kv_blocks)
 
-    def kv_at(b, h, split, qb, step, table_ref, *_):
+    def kv_at(b, h, split, qb, step, table_ref, steps_ref, *_):
         entry = functools.partial(_table_entry, table_ref, b, qb, num_q_blocks=plan.num_q_blocks)
-        kv_block = _kv_block_of_step(entry, split, step, per_split, plan.window_relative)
+        kv_block = _kv_block_of_step(entry, split, step, steps_ref[0])
         return b, h, _clamped_kv_index(table_ref, b, qb, kv_block, **where), 0
 
     def rows_at(b, h, split, qb, step, *_):
@@ -403,8 +407,7 @@ def flash_attention_with_lse(q, k, v, kv_start, kv_end, sinks=None, *, causal: b
 
     kernel = functools.partial(_flash_kernel, block_q=block_q, block_k=block_k, sq=sq, skv=skv, causal=causal,
                                window=window, softcap=float(softcap), scale=float(scale),
-                               num_q_blocks=plan.num_q_blocks, blocks_per_split=per_split,
-                               window_relative=plan.window_relative)
+                               num_q_blocks=plan.num_q_blocks)
     # One split: the final output in q's dtype; several: f32 partials to merge.
     out_dtype = q.dtype if splits == 1 else jnp.float32
     operands = (q, k, v, kv_start, kv_end)
@@ -413,7 +416,7 @@ def flash_attention_with_lse(q, k, v, kv_start, kv_end, sinks=None, *, causal: b
         out_shape=(out_struct((batch, hkv, splits, rows, dv), out_dtype, *operands),
                    out_struct((batch, hkv, splits, rows, 1), jnp.float32, *operands)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3,
+            num_scalar_prefetch=4,
             grid=(batch, hkv, splits, plan.num_q_blocks, per_split),
             in_specs=[pl.BlockSpec((None, None, block_q, d), rows_at),
                       pl.BlockSpec((None, None, block_k, d), kv_at),
@@ -427,7 +430,8 @@ def flash_attention_with_lse(q, k, v, kv_start, kv_end, sinks=None, *, causal: b
         compiler_params=compiler_params(generation, ("parallel",) * 4 + ("arbitrary",)),
         interpret=interpret,
         name="flash_attention_fwd",
-    )(table, kv_start.astype(jnp.int32), kv_end.astype(jnp.int32), q.reshape(batch, hkv, rows, d), k, v)
+    )(table, per_split.reshape(1), kv_start.astype(jnp.int32), kv_end.astype(jnp.int32),
+      q.reshape(batch, hkv, rows, d), k, v)
     if splits == 1:
         out, lse = out[:, :, 0], lse[:, :, 0]
     else:
