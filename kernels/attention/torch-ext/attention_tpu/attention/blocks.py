@@ -33,8 +33,10 @@ gpt-oss sliding-128 prefill 8k (D 64)       512 x 512   --           2402
                                             1024 x 512  --           3008
 ==========================================  ==========  ===========  ===========
 
-(1.00: at the HBM-bound time.) Decode blocks longer than 4096 gain nothing
-and waste reads in a partly filled cache (the last block is read whole).
+(1.00: at the HBM-bound time; --: not measured.) Decode blocks longer than
+4096 gain nothing and waste reads in a partly filled cache (the grid walks
+only the filled part, but its last block is read whole: 2k of 32k keys runs
+at 2.0x the HBM-bound time).
 
 The backward keeps ``BACKWARD_BLOCK`` x ``BACKWARD_BLOCK`` tiles (its
 kernels hold f32 dk/dv or dq accumulators besides the tiles).
