@@ -19,6 +19,10 @@ MODELS = {
     "qwen3": dict(model_type="qwen3"),  # q/k norms before the call
     "gemma2": dict(model_type="gemma2", attn_logit_softcapping=50.0, sliding_window=4,
                    query_pre_attn_scalar=16),  # softcap, alternating sliding layers
+    # Gemma-4: sliding layers at head_dim 16, the global layer at 32 with one KV head and K = V sharing.
+    "gemma4": dict(model_type="gemma4_text", sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                   global_head_dim=32, attention_k_eq_v=True, num_global_key_value_heads=1,
+                   hidden_size_per_layer_input=16, vocab_size_per_layer_input=128),
     "gpt_oss": dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
                     sliding_window=4, layer_types=["sliding_attention", "full_attention"]),  # sinks, window
 }
@@ -28,6 +32,8 @@ def _model(kind):
     torch.manual_seed(0)
     config = AutoConfig.for_model(**{**TINY, **MODELS[kind]})
     model = AutoModelForCausalLM.from_config(config)
+    if kind == "gemma4":  # the mixed head dims the test is about
+        assert [layer.self_attn.head_dim for layer in model.model.layers] == [16, 32]
     with torch.no_grad():  # larger than the default init: decisive logits, every term counts
         for p in model.parameters():
             if p.dim() > 1:
@@ -71,7 +77,7 @@ def test_greedy_generate_same_tokens(kind, cache):
     assert torch.equal(out[NATIVE], out["eager"])
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["llama", "gpt_oss", "gemma4"])
 def test_greedy_generate_through_the_pallas_kernel(kind):
     model = _model(kind)
     ids, mask = _batch(length=6, pad=2)
@@ -82,7 +88,7 @@ def test_greedy_generate_through_the_pallas_kernel(kind):
     assert torch.equal(out[INTERPRET], out["eager"])
 
 
-@pytest.mark.parametrize("kind,impl", [("llama", NATIVE), ("gemma2", NATIVE), ("gpt_oss", NATIVE),
+@pytest.mark.parametrize("kind,impl", [("llama", NATIVE), ("gemma2", NATIVE), ("gpt_oss", NATIVE), ("gemma4", NATIVE),
                                        ("llama", INTERPRET), ("gpt_oss", INTERPRET)])
 def test_training_step_gradients_match_eager(kind, impl):
     """One training step's gradients: native path, and the Pallas backward (interpret)."""
