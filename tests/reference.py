@@ -102,3 +102,25 @@ def attention_rule_mask(kv_start, kv_end, sq, skv, *, causal, window):
                 out[b, 0, i, j] = (start <= j < end and (not causal or j <= pos)
                                    and (not window or j > pos - window))
     return out
+
+
+def moe_experts(x, ids, weights, up, down, *, gate, up_bias=None, down_bias=None, alpha=1.702, limit=7.0):
+    """An experts layer one (token, pick) at a time in float64: ``up [E, N1, H]``,
+    ``down [E, H, I]`` ("nk"); ``gate`` "glu_silu" (halves) or "gpt_oss"
+    (interleaved, clamped); ids outside ``[0, E)`` contribute nothing."""
+    x, up, down = (np.asarray(a, np.float64) for a in (x, up, down))
+    out = np.zeros((x.shape[0], down.shape[1]))
+    for t in range(x.shape[0]):
+        for e, w in zip(np.asarray(ids[t]), np.asarray(weights[t], np.float64)):
+            if not 0 <= e < up.shape[0]:
+                continue
+            h = up[e] @ x[t] + (0 if up_bias is None else np.asarray(up_bias[e], np.float64))
+            if gate == "gpt_oss":
+                g, u = np.minimum(h[::2], limit), np.clip(h[1::2], -limit, limit)
+                act = (u + 1) * g / (1 + np.exp(-g * alpha))
+            else:
+                g, u = np.split(h, 2)
+                act = g / (1 + np.exp(-g)) * u
+            y = down[e] @ act + (0 if down_bias is None else np.asarray(down_bias[e], np.float64))
+            out[t] += w * y
+    return out

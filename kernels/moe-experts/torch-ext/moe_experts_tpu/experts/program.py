@@ -45,9 +45,13 @@ def experts_forward(
     rhs_layout: str = "nk",
     fused: bool | None = None,
     generation: str | None = None,
+    out_dtype=None,
     interpret=False,
 ):
+    """``[T, H]`` in ``out_dtype`` (default: hidden_states' dtype; expert
+    parallelism asks for f32 partial sums)."""
     num_tokens, hidden = hidden_states.shape
+    out_dtype = hidden_states.dtype if out_dtype is None else out_dtype
     top_k = top_k_index.shape[1]
     num_experts = up_weight.shape[0]
     ids = top_k_index.reshape(-1).astype(jnp.int32)
@@ -67,7 +71,7 @@ def experts_forward(
         out = pallas_fused_experts.fused_glu_experts(
             x, up_weight, down_weight, group_sizes, gate=gate, out_dtype=jnp.float32,
             tm=fused_tm, generation=generation, interpret=interpret)
-        return _combine(out, order, remote, top_k_weights, num_tokens, top_k, hidden, hidden_states.dtype)
+        return _combine(out, order, remote, top_k_weights, num_tokens, top_k, hidden, out_dtype)
     # Both matmuls get the chip's tiles and VMEM limit (without generation=,
     # a v4 would be given v6e's and overflow its 16 MiB).
     h = pallas_gmm.gmm(x, up_weight, group_sizes, rhs_layout=rhs_layout,
@@ -79,7 +83,7 @@ def experts_forward(
                          out_dtype=jnp.float32, generation=generation, interpret=interpret)
     if down_bias is not None:
         out = out + down_bias[safe_ids].astype(jnp.float32)
-    return _combine(out, order, remote, top_k_weights, num_tokens, top_k, hidden, hidden_states.dtype)
+    return _combine(out, order, remote, top_k_weights, num_tokens, top_k, hidden, out_dtype)
 
 
 def fused_kernel_row_tile(m, up_weight, down_weight, up_bias, down_bias, gate, rhs_layout, generation):
