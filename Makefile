@@ -21,3 +21,4 @@ bench:
 	$(ENV) $(PY) bench/bench_attention_tpu.py
 	$(ENV) $(PY) bench/calibrate_tpu_estimator.py
 	$(ENV) $(PY) bench/bench_tpu_estimates.py
+	$(ENV) $(PY) bench/bench_expert_parallel.py
