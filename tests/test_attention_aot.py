@@ -20,6 +20,7 @@ CASES = {
     "gemma4-sliding-prefill": (1, 8, 4, 4096, 4096, 256, 512, 0.0, False),
     "gemma4-global-decode-32k": (1, 8, 2, 1, 32768, 512, 0, 0.0, False),
     "gemma2-softcap-prefill": (2, 8, 4, 2048, 2048, 256, 0, 50.0, False),
+    "gemma4-global-prefill-4k": (1, 8, 2, 4096, 4096, 512, 0, 0.0, False),
 }
 
 
@@ -41,14 +42,18 @@ def test_forward_compiles(generation, case, record_property):
     aot.compile_for(generation, fn, *inputs)
 
 
-BACKWARD_CASES = ["llama3-8b-prefill-8k", "gpt-oss-20b-prefill-sliding", "gemma2-softcap-prefill"]
+BACKWARD_CASES = ["llama3-8b-prefill-8k", "gpt-oss-20b-prefill-sliding", "gemma2-softcap-prefill",
+                  "gemma4-global-prefill-4k"]
 
 
-@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+@pytest.mark.parametrize("generation", ["v4", "v5e", "v6e"])
 @pytest.mark.parametrize("case", BACKWARD_CASES)
 def test_backward_compiles(generation, case):
     b, hq, hkv, sq, skv, d, window, softcap, sinks = CASES[case]
     rows = hq // hkv * sq
+    block_q, block_k = blocks.choose_backward_blocks(rows, skv, head_dim=d, window=window, generation=generation)
+    assert (blocks.backward_working_set_bytes(block_q, block_k, d, d, 2)
+            <= tpu_generations.get_generation(generation).vmem_budget)
 
     def fn(q, k, v, out, lse, dout, start, end, *sink):
         return pallas_flash.flash_attention_backward(q, k, v, out, lse, dout, start, end, sink[0] if sink else None,

@@ -52,43 +52,10 @@ from ..common.tile_math import cdiv
 from . import blocks as blocks_lib
 
 
-def _visible_keys(kv_start, kv_end, first_pos, last_pos, *, causal: bool, window: int):
-    """``[lo, hi)``: keys any query at positions ``[first_pos, last_pos]`` may see."""
-    lo, hi = kv_start, kv_end
-    if causal:
-        hi = jnp.minimum(hi, last_pos + 1)
-    if window:
-        lo = jnp.maximum(lo, first_pos - window + 1)
-    return lo, hi
-
-
-def _div(a, b):
-    """``a // b`` for non-negative ints: lax's truncating division (Mosaic lowers
-    Python's floor division through ``sign``, which needs the chip at trace time)."""
-    return lax.div(a, jnp.int32(b) if isinstance(b, int) else b)
-
-
 def _rem(a, b):
+    """``a % b`` for non-negative ints: lax's truncating remainder (Mosaic lowers
+    Python's ``%`` through ``sign``, which needs the chip at trace time)."""
     return lax.rem(a, jnp.int32(b) if isinstance(b, int) else b)
-
-
-def _block_positions(q_block, kv_end, *, block_q: int, sq: int):
-    """Smallest and largest query position among the rows of ``q_block``."""
-    r0 = q_block * block_q
-    r1 = r0 + block_q - 1
-    spans_heads = _div(r1, sq) != _div(r0, sq)
-    first_i = jnp.where(spans_heads, 0, _rem(r0, sq))
-    last_i = jnp.where(spans_heads, sq - 1, _rem(r1, sq))
-    return kv_end - sq + first_i, kv_end - sq + last_i
-
-
-def _kv_block_range(b, q_block, kv_start_ref, kv_end_ref, *, block_q, block_k, sq, causal, window):
-    """``[first, last]`` KV blocks that query block ``q_block`` of batch ``b`` needs
-    (``last < first`` when it needs none)."""
-    start, end = kv_start_ref[b], kv_end_ref[b]
-    first_pos, last_pos = _block_positions(q_block, end, block_q=block_q, sq=sq)
-    lo, hi = _visible_keys(start, end, first_pos, last_pos, causal=causal, window=window)
-    return _div(lo, block_k), _div(jnp.maximum(hi, 0) + block_k - 1, block_k) - 1
 
 
 # Columns of the per-(batch, query block) visit table, derived once per call
@@ -135,6 +102,19 @@ def visit_table(kv_start, kv_end, *, num_q_blocks: int, block_q: int, block_k: i
     full_first = (all_lo + block_k - 1) // block_k
     full_last = jnp.where(all_hi > all_lo, all_hi // block_k - 1, -1)
     return jnp.stack([first, last, full_first, full_last], axis=-1).astype(jnp.int32).reshape(-1)
+
+
+def query_block_ranges(table, *, num_q_blocks: int, num_kv_blocks: int):
+    """int32 ``[B * num_kv_blocks * 2]``: per (batch, KV block) the first and
+    last query block that sees it (``last < first``: none), from the visit
+    table; what the backward's dk/dv kernel clamps its query-side reads to."""
+    entries = table.reshape(-1, num_q_blocks, TABLE_COLUMNS)
+    kv_block = jnp.arange(num_kv_blocks, dtype=jnp.int32)[None, :, None]
+    sees = (entries[:, None, :, FIRST] <= kv_block) & (kv_block <= entries[:, None, :, LAST])  # [B, Kb, Qb]
+    q_block = jnp.arange(num_q_blocks, dtype=jnp.int32)
+    first = jnp.min(jnp.where(sees, q_block, num_q_blocks), axis=-1)
+    last = jnp.max(jnp.where(sees, q_block, -1), axis=-1)
+    return jnp.stack([first, last], axis=-1).astype(jnp.int32).reshape(-1)
 
 
 def _table_entry(table_ref, b, q_block, column, num_q_blocks):
@@ -209,14 +189,10 @@ def _flash_kernel(table_ref, steps_ref, kv_start_ref, kv_end_ref, q_ref, k_ref, 
 
     @pl.when(live & jnp.logical_not(whole))
     def _edge():
-        start, end = kv_start_ref[b], kv_end_ref[b]
-        # Per-row bounds as a [block_q, 1] column: the [block_q, block_k] tile
+        # Per-row bounds as [block_q, 1] columns: the [block_q, block_k] tile
         # pays two compares and a select, not the integer arithmetic.
-        rows = q_block * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
-        pos = end - sq + (_rem(rows, sq) if sq > 1 else 0)
-        hi = jnp.minimum(end, skv)
-        hi = jnp.minimum(hi, pos + 1) if causal else hi
-        lo = jnp.maximum(start, pos - window + 1) if window else start
+        lo, hi = _row_key_bounds(b, q_block, kv_start_ref, kv_end_ref, block_q=block_q, sq=sq, skv=skv,
+                                 causal=causal, window=window)
         keys = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
         s = jnp.where((keys >= lo) & (keys < hi), scores(), -jnp.inf)
         v = v_ref[...]
@@ -335,24 +311,16 @@ class VisitPlan(typing.NamedTuple):
     dense: int
 
 
-def _prepare(q, k, v, block_sizes, causal, window):
-    """Backward shapes and blocks (the backward keeps the in-kernel visibility rule)."""
+def _prepare(q, k, v, block_sizes, causal, window, generation):
+    """Backward shapes and blocks."""
     batch, hq, sq, d = q.shape
     _, hkv, skv, dv = v.shape
     rows = hq // hkv * sq
-    block_q, block_k = block_sizes or blocks_lib.choose_backward_blocks(rows, skv)
+    block_q, block_k = block_sizes or blocks_lib.choose_backward_blocks(
+        rows, skv, head_dim=d, v_dim=dv, itemsize=q.dtype.itemsize, window=window if causal else 0,
+        generation=generation)
     static = dict(block_q=block_q, block_k=block_k, sq=sq, causal=causal, window=window)
     return batch, hq, hkv, sq, skv, d, dv, rows, static
-
-
-def _kv_index_map(static, num_kv_blocks):
-    def kv_index(b, h, qb, kb, kv_start_ref, kv_end_ref):
-        first, last = _kv_block_range(b, qb, kv_start_ref, kv_end_ref, **static)
-        # Outside [first, last] stay on a neighbouring block: no new DMA.
-        lo = jnp.clip(first, 0, num_kv_blocks - 1)
-        return b, h, jnp.clip(kb, lo, jnp.clip(last, lo, num_kv_blocks - 1)), 0
-
-    return kv_index
 
 
 def merge_splits(out_splits, lse_splits):
@@ -464,27 +432,36 @@ def flash_attention(q, k, v, kv_start, kv_end, sinks=None, **kwargs):
 # ----------------------------------------------------------------------------
 
 
-def _recompute(q, k, lse, b, q_block, kv_block, kv_start_ref, kv_end_ref, *, block_q, block_k, sq, rows, skv,
-               causal, window, softcap, scale):
-    """Probabilities ``p`` of one (query block, key block) tile, the visibility
-    mask, and ``tanh`` of the capped logits (None without soft-capping)."""
+def _row_key_bounds(b, q_block, kv_start_ref, kv_end_ref, *, block_q, sq, skv, causal, window):
+    """``(lo, hi)`` as ``[block_q, 1]`` columns: the keys ``[lo, hi)`` each row of
+    the query block sees (the same rule as ``visit_table``)."""
     start, end = kv_start_ref[b], kv_end_ref[b]
-    x = dot_f32(q, k, 1, 1) * scale
-    t = None
+    rows = q_block * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+    pos = end - sq + (_rem(rows, sq) if sq > 1 else 0)
+    hi = jnp.broadcast_to(jnp.minimum(end, skv), rows.shape)
+    hi = jnp.minimum(hi, pos + 1) if causal else hi
+    lo = jnp.maximum(start, pos - window + 1) if window else jnp.broadcast_to(start, rows.shape)
+    return lo, hi
+
+
+def _recompute(q, k, lse, *, masked, bounds, kv_block, block_k, softcap, scale):
+    """Probabilities ``p`` of one (query block, key block) tile and ``tanh`` of
+    the capped logits (None without soft-capping). ``masked``: apply ``bounds``
+    (per-row ``(lo, hi)`` columns) and guard rows that saw no key (lse -inf)."""
     if softcap:
-        t = jnp.tanh(x / softcap)
-        x = softcap * t
-    row = q_block * block_q + lax.broadcasted_iota(jnp.int32, x.shape, 0)
-    keys = kv_block * block_k + lax.broadcasted_iota(jnp.int32, x.shape, 1)
-    pos = end - sq + _rem(row, sq)
-    visible = (keys >= start) & (keys < end) & (keys < skv) & (row < rows)
-    if causal:
-        visible &= keys <= pos
-    if window:
-        visible &= keys > pos - window
-    safe_lse = jnp.where(lse == -jnp.inf, 0.0, lse)
-    p = jnp.where(visible, jnp.exp(jnp.where(visible, x, 0.0) - safe_lse), 0.0)
-    return p, visible, t
+        t = jnp.tanh(dot_f32(q, k, 1, 1) * (scale / softcap))
+        x, lse_, exp = softcap * t, lse, jnp.exp
+    else:
+        # Base 2, log2(e) and the scale on q ([block_q, D]), as in the forward.
+        q2 = (q.astype(jnp.float32) * (scale * LOG2_E)).astype(q.dtype)
+        x, t, lse_, exp = dot_f32(q2, k, 1, 1), None, lse * LOG2_E, jnp.exp2
+    if not masked:
+        return exp(x - lse_), t
+    lo, hi = bounds
+    keys = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+    visible = (keys >= lo) & (keys < hi)
+    safe_lse = jnp.where(lse_ == -jnp.inf, 0.0, lse_)
+    return jnp.where(visible, exp(jnp.where(visible, x, 0.0) - safe_lse), 0.0), t
 
 
 def _zero_rows_past(x, first_row, limit):
@@ -494,72 +471,87 @@ def _zero_rows_past(x, first_row, limit):
     return jnp.where(row < limit, x.astype(jnp.float32), 0.0).astype(x.dtype)
 
 
-def _logit_grads(do, v, delta, p, visible, t, scale):
-    """Gradient of the scaled, pre-cap logits of one tile: ``p * (dO v^T - delta)``
-    through the cap's ``tanh`` and the scale."""
-    dp = dot_f32(do, v, 1, 1)
-    ds = jnp.where(visible, p * (dp - delta), 0.0)
-    if t is not None:
-        ds = ds * (1.0 - t * t)
-    return ds * scale
+def _logit_grads(do, v, delta, p, t):
+    """Gradient of the pre-cap logits of one tile, ``p * (dO v^T - delta)``
+    through the cap's ``tanh``; without the scale, applied once to the
+    accumulated dq / dk. Invisible entries have ``p = 0``, so ``ds = 0``."""
+    ds = p * (dot_f32(do, v, 1, 1) - delta)
+    return ds * (1.0 - t * t) if t is not None else ds
 
 
-def _dkv_kernel(kv_start_ref, kv_end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
-                dk_acc, dv_acc, *, block_q, block_k, sq, rows, skv, causal, window, softcap, scale,
+def _tile_kinds(table_ref, b, q_block, kv_block, *, num_q_blocks, whole_q_blocks):
+    """``(live, whole)`` of one tile from the visit table; a query block with
+    padding rows (past ``whole_q_blocks``) always takes the masked path."""
+    entry = functools.partial(_table_entry, table_ref, b, q_block, num_q_blocks=num_q_blocks)
+    live = (kv_block >= entry(FIRST)) & (kv_block <= entry(LAST))
+    whole = (kv_block >= entry(FULL_FIRST)) & (kv_block <= entry(FULL_LAST)) & (q_block < whole_q_blocks)
+    return live, whole
+
+
+def _dkv_kernel(table_ref, q_range_ref, kv_start_ref, kv_end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
+                dv_ref, dk_acc, dv_acc, *, block_q, block_k, sq, rows, skv, causal, window, softcap, scale,
                 num_q_blocks):
     b, kv_block, q_block = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    first, last = _kv_block_range(b, q_block, kv_start_ref, kv_end_ref, block_q=block_q, block_k=block_k,
-                                  sq=sq, causal=causal, window=window)
+    live, whole = _tile_kinds(table_ref, b, q_block, kv_block, num_q_blocks=num_q_blocks,
+                              whole_q_blocks=rows // block_q)
 
     @pl.when(q_block == 0)
     def _init():
         dk_acc[...] = jnp.zeros_like(dk_acc)
         dv_acc[...] = jnp.zeros_like(dv_acc)
 
-    @pl.when((kv_block >= first) & (kv_block <= last))
-    def _accumulate():
-        q, do = q_ref[...], do_ref[...]
-        if rows % block_q:
-            q, do = _zero_rows_past(q, q_block * block_q, rows), _zero_rows_past(do, q_block * block_q, rows)
-        k, v = k_ref[...], v_ref[...]
-        p, visible, t = _recompute(q, k, lse_ref[...], b, q_block, kv_block, kv_start_ref, kv_end_ref,
-                                   block_q=block_q, block_k=block_k, sq=sq, rows=rows, skv=skv, causal=causal,
-                                   window=window, softcap=softcap, scale=scale)
+    def accumulate(masked):
+        q, do, delta, bounds = q_ref[...], do_ref[...], delta_ref[...], None
+        if masked:
+            if rows % block_q:  # padding rows: garbage in q, dO and delta would reach dk through 0 * NaN
+                q, do, delta = (_zero_rows_past(x, q_block * block_q, rows) for x in (q, do, delta))
+            lo, hi = _row_key_bounds(b, q_block, kv_start_ref, kv_end_ref, block_q=block_q, sq=sq, skv=skv,
+                                     causal=causal, window=window)
+            row = q_block * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+            bounds = lo, jnp.where(row < rows, hi, lo)  # padding rows see nothing
+        p, t = _recompute(q, k_ref[...], lse_ref[...], masked=masked, bounds=bounds, kv_block=kv_block,
+                          block_k=block_k, softcap=softcap, scale=scale)
         dv_acc[...] += dot_f32(p.astype(do.dtype), do, 0, 0)
-        ds = _logit_grads(do, v, delta_ref[...], p, visible, t, scale)
+        ds = _logit_grads(do, v_ref[...], delta, p, t)
         dk_acc[...] += dot_f32(ds.astype(q.dtype), q, 0, 0)
+
+    pl.when(live & whole)(lambda: accumulate(False))
+    pl.when(live & jnp.logical_not(whole))(lambda: accumulate(True))
 
     @pl.when(q_block == num_q_blocks - 1)
     def _store():
-        dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
+        dk_ref[...] = (dk_acc[...] * scale).astype(dk_ref.dtype)
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _dq_kernel(kv_start_ref, kv_end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_acc, *,
-               block_q, block_k, sq, rows, skv, causal, window, softcap, scale, num_kv_blocks):
+def _dq_kernel(table_ref, kv_start_ref, kv_end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_acc,
+               *, block_q, block_k, sq, rows, skv, causal, window, softcap, scale, num_q_blocks, num_kv_blocks):
     b, q_block, kv_block = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    first, last = _kv_block_range(b, q_block, kv_start_ref, kv_end_ref, block_q=block_q, block_k=block_k,
-                                  sq=sq, causal=causal, window=window)
+    live, whole = _tile_kinds(table_ref, b, q_block, kv_block, num_q_blocks=num_q_blocks,
+                              whole_q_blocks=rows // block_q)
 
     @pl.when(kv_block == 0)
     def _init():
         dq_acc[...] = jnp.zeros_like(dq_acc)
 
-    @pl.when((kv_block >= first) & (kv_block <= last))
-    def _accumulate():
-        q, do = q_ref[...], do_ref[...]
-        k, v = k_ref[...], v_ref[...]
-        if skv % block_k:
-            k, v = _zero_rows_past(k, kv_block * block_k, skv), _zero_rows_past(v, kv_block * block_k, skv)
-        p, visible, t = _recompute(q, k, lse_ref[...], b, q_block, kv_block, kv_start_ref, kv_end_ref,
-                                   block_q=block_q, block_k=block_k, sq=sq, rows=rows, skv=skv, causal=causal,
-                                   window=window, softcap=softcap, scale=scale)
-        ds = _logit_grads(do, v, delta_ref[...], p, visible, t, scale)
+    def accumulate(masked):
+        k, v, bounds = k_ref[...], v_ref[...], None
+        if masked:
+            if skv % block_k:
+                k, v = _zero_rows_past(k, kv_block * block_k, skv), _zero_rows_past(v, kv_block * block_k, skv)
+            bounds = _row_key_bounds(b, q_block, kv_start_ref, kv_end_ref, block_q=block_q, sq=sq, skv=skv,
+                                     causal=causal, window=window)
+        p, t = _recompute(q_ref[...], k, lse_ref[...], masked=masked, bounds=bounds, kv_block=kv_block,
+                          block_k=block_k, softcap=softcap, scale=scale)
+        ds = _logit_grads(do_ref[...], v, delta_ref[...], p, t)
         dq_acc[...] += dot_f32(ds.astype(k.dtype), k, 1, 0)
+
+    pl.when(live & whole)(lambda: accumulate(False))
+    pl.when(live & jnp.logical_not(whole))(lambda: accumulate(True))
 
     @pl.when(kv_block == num_kv_blocks - 1)
     def _store():
-        dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
+        dq_ref[...] = (dq_acc[...] * scale).astype(dq_ref.dtype)
 
 
 def flash_attention_backward(q, k, v, out, lse, dout, kv_start, kv_end, sinks=None, *, causal: bool = True,
@@ -567,7 +559,7 @@ def flash_attention_backward(q, k, v, out, lse, dout, kv_start, kv_end, sinks=No
                              generation: str | None = None, interpret=False):
     """``(dq, dk, dv, d_sinks)`` of ``flash_attention`` (``d_sinks`` is ``[Hq]`` f32,
     zeros without sinks), from its output and the ``lse`` it returned."""
-    batch, hq, hkv, sq, skv, d, dv, rows, static = _prepare(q, k, v, block_sizes, causal, window)
+    batch, hq, hkv, sq, skv, d, dv, rows, static = _prepare(q, k, v, block_sizes, causal, window, generation)
     group = hq // hkv
     scale = d ** -0.5 if scale is None else scale
     d_sinks = jnp.zeros((hq,), jnp.float32)
@@ -582,18 +574,27 @@ def flash_attention_backward(q, k, v, out, lse, dout, kv_start, kv_end, sinks=No
     if sinks is not None:  # d sink_h = -sum over h's rows of p_sink * delta
         p_sink = jnp.exp(_per_row(sinks.astype(jnp.float32), batch, hkv, group, sq) - lse)
         d_sinks = -(p_sink * delta).reshape(batch, hkv, group, sq).sum(axis=(0, 3)).reshape(hq)
-    common = dict(skv=skv, rows=rows, softcap=float(softcap), scale=float(scale), **static)
+    table = visit_table(kv_start, kv_end, num_q_blocks=num_q_blocks, block_q=block_q, block_k=block_k, rows=rows,
+                        sq=sq, skv=skv, causal=causal, window=window)
+    q_range = query_block_ranges(table, num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks)
+    common = dict(skv=skv, rows=rows, softcap=float(softcap), scale=float(scale), num_q_blocks=num_q_blocks,
+                  block_q=block_q, block_k=block_k, sq=sq, causal=causal, window=window)
     prefetch = (kv_start.astype(jnp.int32), kv_end.astype(jnp.int32))
     semantics = ("parallel", "parallel", "parallel", "arbitrary")
 
-    # dk, dv: each key block walks the query blocks.
-    q_at = lambda b, h, kb, qb, *_: (b, h, qb, 0)  # noqa: E731
+    # dk, dv: each key block walks the query blocks; those that do not see it
+    # keep the resident query-side blocks (no DMA).
+    def q_at(b, h, kb, qb, table_ref, q_range_ref, *_):
+        first, last = q_range_ref[2 * (b * num_kv_blocks + kb)], q_range_ref[2 * (b * num_kv_blocks + kb) + 1]
+        lo = jnp.clip(first, 0, num_q_blocks - 1)
+        return b, h, jnp.clip(qb, lo, jnp.clip(last, lo, num_q_blocks - 1)), 0
+
     kv_at = lambda b, h, kb, qb, *_: (b, h, kb, 0)  # noqa: E731
     dk, dv_ = pl.pallas_call(
-        functools.partial(_dkv_kernel, num_q_blocks=num_q_blocks, **common),
+        functools.partial(_dkv_kernel, **common),
         out_shape=(out_struct(k.shape, k.dtype, q, k, v, dout), out_struct(v.shape, v.dtype, q, k, v, dout)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(batch, hkv, num_kv_blocks, num_q_blocks),
+            num_scalar_prefetch=4, grid=(batch, hkv, num_kv_blocks, num_q_blocks),
             in_specs=[pl.BlockSpec((None, None, block_q, d), q_at), pl.BlockSpec((None, None, block_k, d), kv_at),
                       pl.BlockSpec((None, None, block_k, dv), kv_at), pl.BlockSpec((None, None, block_q, dv), q_at),
                       pl.BlockSpec((None, None, block_q, 1), q_at), pl.BlockSpec((None, None, block_q, 1), q_at)],
@@ -603,16 +604,17 @@ def flash_attention_backward(q, k, v, out, lse, dout, kv_start, kv_end, sinks=No
         compiler_params=compiler_params(generation, semantics),
         interpret=interpret,
         name="flash_attention_bwd_dkv",
-    )(*prefetch, q_rows, k, v, do_rows, lse, delta)
+    )(table, q_range, *prefetch, q_rows, k, v, do_rows, lse, delta)
 
     # dq: each query block walks the key blocks it sees (skipped ones re-use the resident block).
-    kv_index = _kv_index_map(static, num_kv_blocks)
+    where = dict(num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks)
+    kv_index = lambda b, h, qb, kb, table_ref, *_: (b, h, _clamped_kv_index(table_ref, b, qb, kb, **where), 0)  # noqa: E731
     row_block = lambda b, h, qb, kb, *_: (b, h, qb, 0)  # noqa: E731
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, num_kv_blocks=num_kv_blocks, **common),
         out_shape=out_struct(q_rows.shape, q.dtype, q, k, v, dout),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(batch, hkv, num_q_blocks, num_kv_blocks),
+            num_scalar_prefetch=3, grid=(batch, hkv, num_q_blocks, num_kv_blocks),
             in_specs=[pl.BlockSpec((None, None, block_q, d), row_block),
                       pl.BlockSpec((None, None, block_k, d), kv_index),
                       pl.BlockSpec((None, None, block_k, dv), kv_index),
@@ -625,5 +627,5 @@ def flash_attention_backward(q, k, v, out, lse, dout, kv_start, kv_end, sinks=No
         compiler_params=compiler_params(generation, semantics),
         interpret=interpret,
         name="flash_attention_bwd_dq",
-    )(*prefetch, q_rows, k, v, do_rows, lse, delta)
+    )(table, *prefetch, q_rows, k, v, do_rows, lse, delta)
     return dq.reshape(q.shape), dk, dv_, d_sinks
