@@ -8,14 +8,19 @@ Per case and generation (bf16, batch 1 unless named):
 * ours: ``pallas_flash.flash_attention`` with the block rule of ``blocks.py``;
 * splash: ``jax.experimental.pallas.ops.tpu.splash_attention``, GQA as its MQA
   kernel vmapped over KV heads (how MaxText calls it), causal / local masks
-  with the decode offset, 512 x 512 blocks (``block_kv_compute = block_kv``: the
+  with the decode offset, 512 x 512 blocks, backward ones too (``block_kv_compute = block_kv``: the
   estimator counts one trip of a kernel's inner loop, so splash's split
   compute blocks would read short). Splash needs blocks that divide the
   lengths: no decode (one query row);
 * JAX flash: ``jax.experimental.pallas.ops.tpu.flash_attention``, 512 x 512
-  blocks, K/V repeated to every query head beforehand (it has no GQA; the
+  blocks (backward too), K/V repeated to every query head beforehand (it has no GQA; the
   repeat is not charged to it). Causal only top-left aligned and no window:
   no decode, no sliding window.
+
+Forward + backward (prefill cases): ours is the forward kernel then the two
+backward kernels from its lse; the peers ``jax.grad`` through their own
+custom VJPs (splash: its forward with residuals, then its dq and dk/dv
+kernels); JAX flash is not estimated there (see ``TRAINING``).
 
 Ratios are peer estimate / our estimate (> 1: ours is faster). The roofline is
 ``max(MXU-bound, HBM-bound)`` of the visible (query, key) pairs and of reading
@@ -90,7 +95,9 @@ def splash(generation, b, hq, hkv, sq, skv, filled, d, window):
     shape = (sq, skv)
     head_mask = (sm.LocalMask(shape, (window - 1, 0), offset=skv - sq) if window
                  else sm.CausalMask(shape, offset=skv - sq))
-    blocks = sk.BlockSizes(block_q=PEER_BLOCK, block_kv=PEER_BLOCK, block_kv_compute=PEER_BLOCK)
+    b_ = PEER_BLOCK
+    blocks = sk.BlockSizes(block_q=b_, block_kv=b_, block_kv_compute=b_, block_q_dkv=b_, block_kv_dkv=b_,
+                           block_kv_dkv_compute=b_, block_q_dq=b_, block_kv_dq=b_)
     kernel = sk.make_splash_mqa_single_device(sm.MultiHeadMask([head_mask] * group), block_sizes=blocks)
 
     def fn(q, k, v):
@@ -105,7 +112,10 @@ def jax_flash(generation, b, hq, hkv, sq, skv, filled, d, window):
         return None
     from jax.experimental.pallas.ops.tpu import flash_attention as jf
 
-    blocks = jf.BlockSizes(block_q=PEER_BLOCK, block_k_major=PEER_BLOCK, block_k=PEER_BLOCK, block_b=1)
+    b_ = PEER_BLOCK
+    blocks = jf.BlockSizes(block_q=b_, block_k_major=b_, block_k=b_, block_b=1, block_q_major_dkv=b_,
+                           block_k_major_dkv=b_, block_k_dkv=b_, block_q_dkv=b_, block_k_major_dq=b_, block_k_dq=b_,
+                           block_q_dq=b_)
 
     def fn(q, k, v):
         return jf.flash_attention(q, k, v, causal=True, sm_scale=d ** -0.5, block_sizes=blocks)
@@ -122,6 +132,37 @@ def _qkv(b, hq, hkv, sq, skv, d):
 
 
 CONTENDERS = {"ours": ours, "splash": splash, "jax flash": jax_flash}
+
+
+def training(make):
+    """Forward and backward of a contender (``None`` where it cannot run the case):
+    ours through its own backward kernels from the forward's lse, the peers
+    through ``jax.grad`` of their custom VJPs; the output cotangent is all ones."""
+    def make_training(generation, b, hq, hkv, sq, skv, filled, d, window):
+        made = make(generation, b, hq, hkv, sq, skv, filled, d, window)
+        if made is None:
+            return None
+        import jax
+        import jax.numpy as jnp
+
+        fn, args = made
+        if make is ours:
+            from attention_tpu.attention import pallas_flash
+
+            def step(q, k, v, start, end):
+                out, lse = pallas_flash.flash_attention_with_lse(q, k, v, start, end, causal=True, window=window,
+                                                                 generation=generation)
+                return pallas_flash.flash_attention_backward(q, k, v, out, lse, jnp.ones_like(out), start, end,
+                                                             causal=True, window=window, generation=generation)[:3]
+            return step, args
+        return jax.grad(lambda q, k, v: fn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)), args
+
+    return make_training
+
+
+# JAX flash is left out: its backward kernels are unnamed pallas_calls that XLA
+# renames under jax.grad, so the estimator cannot match them to their schedules.
+TRAINING = {name: training(CONTENDERS[name]) for name in ("ours", "splash")}
 
 
 def block_plan_row(label, b, hq, hkv, sq, skv, filled, d, window, generation):
@@ -143,7 +184,7 @@ def main():
     parser.add_argument("--generations", nargs="+", default=["v5e", "v6e"])
     args = parser.parse_args()
     tpu_estimator.chip_device(tpu_estimator.CHIPS[args.generations[0]])  # dump flag before libtpu loads
-    times, plans = [], []
+    times, plans, training_rows = [], [], []
     for label, *shape in CASES:
         flops, min_bytes = roofline_inputs(shape[0], shape[1], shape[2], shape[3], shape[5], shape[6], shape[7])
         for generation in args.generations:
@@ -161,6 +202,15 @@ def main():
             times.append(row)
             plans.append(block_plan_row(label, *shape, generation))
             print(row, flush=True)
+            if shape[3] > 1:  # prefill: forward + backward (training)
+                train = {name: tpu_estimator.estimate(*made, generation, flops=3.5 * flops, min_bytes=3 * min_bytes)
+                         for name, make in TRAINING.items() if (made := make(generation, *shape)) is not None}
+                ours_s = train["ours"].seconds
+                row = {"case": label, "generation": generation, "ours (us)": ours_s * 1e6,
+                       "ours / roofline": ours_s / train["ours"].roofline_s}
+                row["splash / ours"] = train["splash"].seconds / ours_s if "splash" in train else "-"
+                training_rows.append(row)
+                print(row, flush=True)
     write_report(
         args.out, "attention_tpu.md", "attention-tpu on TPU generations (estimated from libtpu's schedule)",
         "No TPU here: every number is an estimate of `bench/tpu_estimator.py` (static bundle counts of the "
@@ -171,7 +221,9 @@ def main():
         "\n\nBlock plan: the blocks of the rule, the VMEM working set, and per KV head the grid's KV steps, the "
         "steps that compute and the K/V block fetches, as fractions of the dense grid (every query block "
         "against every KV block).",
-        [("Estimated times", times), ("Block plan", plans)],
+        [("Estimated times, forward", times),
+         ("Estimated times, forward + backward (prefill; roofline: 3.5x the forward's MXU work)", training_rows),
+         ("Block plan (forward)", plans)],
     )
 
 
