@@ -479,6 +479,47 @@ def _logit_grads(do, v, delta, p, t):
     return ds * (1.0 - t * t) if t is not None else ds
 
 
+@dataclasses.dataclass(frozen=True)
+class _QueryWalk:
+    """How the dk/dv kernel walks query blocks for one KV block. ``heads`` x
+    ``steps`` grid steps; per head ``g`` the blocks ``g * blocks_per_head +
+    first + j`` (``first``: the first query block of head 0 that sees the KV
+    block). A causal window with blocks aligned to heads walks only the
+    window's blocks of each head (``relative``); otherwise every block in turn."""
+    heads: int
+    steps: int
+    blocks_per_head: int
+    relative: bool
+
+
+def _query_walk(num_q_blocks, *, group, block_q, block_k, sq, causal, window) -> _QueryWalk:
+    if causal and window and sq % block_q == 0:
+        per_head = sq // block_q
+        # Queries at positions [j, j + window - 1] see key j: a block of keys is
+        # seen by block_k - 1 + window positions, from a block boundary or not.
+        steps = min(per_head, cdiv(block_k - 1 + window, block_q) + 1)
+        if steps < per_head:
+            return _QueryWalk(group, steps, per_head, True)
+    return _QueryWalk(1, num_q_blocks, num_q_blocks, False)
+
+
+def _dkv_query_block(q_range_ref, b, kv_block, head, step, *, num_kv_blocks, walk: _QueryWalk, for_dma: bool):
+    """``(q_block, in_walk)`` of a dk/dv grid step. ``for_dma``: the block to
+    read, clamped into the range that sees the KV block so that skipped steps
+    keep the resident one; else the block the step computes (``in_walk``:
+    a real one, not a step past the end of a head's window walk)."""
+    first = q_range_ref[2 * (b * num_kv_blocks + kv_block)]
+    last = q_range_ref[2 * (b * num_kv_blocks + kv_block) + 1]
+    if walk.relative:
+        within = first + step  # ``first`` is head 0's: heads see the same positions
+        in_walk = within < walk.blocks_per_head
+        return head * walk.blocks_per_head + jnp.clip(within, 0, walk.blocks_per_head - 1), in_walk
+    if not for_dma:
+        return step, True
+    lo = jnp.clip(first, 0, walk.blocks_per_head - 1)
+    return jnp.clip(step, lo, jnp.clip(last, lo, walk.blocks_per_head - 1)), True
+
+
 def _tile_kinds(table_ref, b, q_block, kv_block, *, num_q_blocks, whole_q_blocks):
     """``(live, whole)`` of one tile from the visit table; a query block with
     padding rows (past ``whole_q_blocks``) always takes the masked path."""
@@ -488,14 +529,19 @@ def _tile_kinds(table_ref, b, q_block, kv_block, *, num_q_blocks, whole_q_blocks
     return live, whole
 
 
-def _dkv_kernel(table_ref, q_range_ref, kv_start_ref, kv_end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
-                dv_ref, dk_acc, dv_acc, *, block_q, block_k, sq, rows, skv, causal, window, softcap, scale,
-                num_q_blocks):
-    b, kv_block, q_block = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+def _dkv_kernel(table_ref, q_range_ref, kv_start_ref, kv_end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                dk_ref, dv_ref, dk_acc, dv_acc, *, block_q, block_k, sq, rows, skv, causal, window, softcap, scale,
+                num_q_blocks, num_kv_blocks, walk):
+    b, kv_block, head, step = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    q_block, in_walk = _dkv_query_block(q_range_ref, b, kv_block, head, step, num_kv_blocks=num_kv_blocks, walk=walk,
+                                        for_dma=False)
     live, whole = _tile_kinds(table_ref, b, q_block, kv_block, num_q_blocks=num_q_blocks,
                               whole_q_blocks=rows // block_q)
+    live &= in_walk
+    first_step = (head == 0) & (step == 0)
+    last_step = (head == pl.num_programs(3) - 1) & (step == pl.num_programs(4) - 1)
 
-    @pl.when(q_block == 0)
+    @pl.when(first_step)
     def _init():
         dk_acc[...] = jnp.zeros_like(dk_acc)
         dv_acc[...] = jnp.zeros_like(dv_acc)
@@ -518,7 +564,7 @@ def _dkv_kernel(table_ref, q_range_ref, kv_start_ref, kv_end_ref, q_ref, k_ref, 
     pl.when(live & whole)(lambda: accumulate(False))
     pl.when(live & jnp.logical_not(whole))(lambda: accumulate(True))
 
-    @pl.when(q_block == num_q_blocks - 1)
+    @pl.when(last_step)
     def _store():
         dk_ref[...] = (dk_acc[...] * scale).astype(dk_ref.dtype)
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
@@ -526,11 +572,13 @@ def _dkv_kernel(table_ref, q_range_ref, kv_start_ref, kv_end_ref, q_ref, k_ref, 
 
 def _dq_kernel(table_ref, kv_start_ref, kv_end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_acc,
                *, block_q, block_k, sq, rows, skv, causal, window, softcap, scale, num_q_blocks, num_kv_blocks):
-    b, q_block, kv_block = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    b, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    kv_block = _kv_block_of_step(functools.partial(_table_entry, table_ref, b, q_block, num_q_blocks=num_q_blocks),
+                                 0, step, 0)
     live, whole = _tile_kinds(table_ref, b, q_block, kv_block, num_q_blocks=num_q_blocks,
                               whole_q_blocks=rows // block_q)
 
-    @pl.when(kv_block == 0)
+    @pl.when(step == 0)
     def _init():
         dq_acc[...] = jnp.zeros_like(dq_acc)
 
@@ -549,7 +597,7 @@ def _dq_kernel(table_ref, kv_start_ref, kv_end_ref, q_ref, k_ref, v_ref, do_ref,
     pl.when(live & whole)(lambda: accumulate(False))
     pl.when(live & jnp.logical_not(whole))(lambda: accumulate(True))
 
-    @pl.when(kv_block == num_kv_blocks - 1)
+    @pl.when(step == pl.num_programs(3) - 1)
     def _store():
         dq_ref[...] = (dq_acc[...] * scale).astype(dq_ref.dtype)
 
@@ -581,40 +629,49 @@ def flash_attention_backward(q, k, v, out, lse, dout, kv_start, kv_end, sinks=No
                   block_q=block_q, block_k=block_k, sq=sq, causal=causal, window=window)
     prefetch = (kv_start.astype(jnp.int32), kv_end.astype(jnp.int32))
     semantics = ("parallel", "parallel", "parallel", "arbitrary")
+    kv_walk = kv_steps(table, max_steps=_max_kv_steps(num_kv_blocks, block_q=block_q, block_k=block_k, sq=sq,
+                                                      causal=causal, window=window), splits=1)
 
     # dk, dv: each key block walks the query blocks; those that do not see it
     # keep the resident query-side blocks (no DMA).
-    def q_at(b, h, kb, qb, table_ref, q_range_ref, *_):
-        first, last = q_range_ref[2 * (b * num_kv_blocks + kb)], q_range_ref[2 * (b * num_kv_blocks + kb) + 1]
-        lo = jnp.clip(first, 0, num_q_blocks - 1)
-        return b, h, jnp.clip(qb, lo, jnp.clip(last, lo, num_q_blocks - 1)), 0
+    walk = _query_walk(num_q_blocks, group=group, block_q=block_q, block_k=block_k, sq=sq, causal=causal,
+                       window=window)
 
-    kv_at = lambda b, h, kb, qb, *_: (b, h, kb, 0)  # noqa: E731
+    def q_at(b, h, kb, head, step, table_ref, q_range_ref, *_):
+        q_block, _ = _dkv_query_block(q_range_ref, b, kb, head, step, num_kv_blocks=num_kv_blocks, walk=walk,
+                                      for_dma=True)
+        return b, h, q_block, 0
+
+    kv_at = lambda b, h, kb, head, step, *_: (b, h, kb, 0)  # noqa: E731
     dk, dv_ = pl.pallas_call(
-        functools.partial(_dkv_kernel, **common),
+        functools.partial(_dkv_kernel, num_kv_blocks=num_kv_blocks, walk=walk, **common),
         out_shape=(out_struct(k.shape, k.dtype, q, k, v, dout), out_struct(v.shape, v.dtype, q, k, v, dout)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4, grid=(batch, hkv, num_kv_blocks, num_q_blocks),
+            num_scalar_prefetch=4, grid=(batch, hkv, num_kv_blocks, walk.heads, walk.steps),
             in_specs=[pl.BlockSpec((None, None, block_q, d), q_at), pl.BlockSpec((None, None, block_k, d), kv_at),
                       pl.BlockSpec((None, None, block_k, dv), kv_at), pl.BlockSpec((None, None, block_q, dv), q_at),
                       pl.BlockSpec((None, None, block_q, 1), q_at), pl.BlockSpec((None, None, block_q, 1), q_at)],
             out_specs=[pl.BlockSpec((None, None, block_k, d), kv_at), pl.BlockSpec((None, None, block_k, dv), kv_at)],
             scratch_shapes=[pltpu.VMEM((block_k, d), jnp.float32), pltpu.VMEM((block_k, dv), jnp.float32)],
         ),
-        compiler_params=compiler_params(generation, semantics),
+        compiler_params=compiler_params(generation, semantics + ("arbitrary",)),
         interpret=interpret,
         name="flash_attention_bwd_dkv",
     )(table, q_range, *prefetch, q_rows, k, v, do_rows, lse, delta)
 
     # dq: each query block walks the key blocks it sees (skipped ones re-use the resident block).
     where = dict(num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks)
-    kv_index = lambda b, h, qb, kb, table_ref, *_: (b, h, _clamped_kv_index(table_ref, b, qb, kb, **where), 0)  # noqa: E731
-    row_block = lambda b, h, qb, kb, *_: (b, h, qb, 0)  # noqa: E731
+
+    def kv_index(b, h, qb, step, table_ref, *_):
+        entry = functools.partial(_table_entry, table_ref, b, qb, num_q_blocks=num_q_blocks)
+        return b, h, _clamped_kv_index(table_ref, b, qb, _kv_block_of_step(entry, 0, step, 0), **where), 0
+
+    row_block = lambda b, h, qb, step, *_: (b, h, qb, 0)  # noqa: E731
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, num_kv_blocks=num_kv_blocks, **common),
         out_shape=out_struct(q_rows.shape, q.dtype, q, k, v, dout),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3, grid=(batch, hkv, num_q_blocks, num_kv_blocks),
+            num_scalar_prefetch=3, grid=(batch, hkv, num_q_blocks, kv_walk),
             in_specs=[pl.BlockSpec((None, None, block_q, d), row_block),
                       pl.BlockSpec((None, None, block_k, d), kv_index),
                       pl.BlockSpec((None, None, block_k, dv), kv_index),
