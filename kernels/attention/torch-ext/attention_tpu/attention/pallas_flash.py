@@ -226,13 +226,20 @@ def _clamped_kv_index(table_ref, b, q_block, kv_block, *, num_q_blocks, num_kv_b
     return jnp.clip(kv_block, lo, jnp.clip(entry(LAST), lo, num_kv_blocks - 1))
 
 
-def _forward_plan(q, k, v, block_sizes, kv_splits, generation, causal, window):
+def _shapes_and_blocks(rule, q, v, block_sizes, causal, window, generation):
+    """``(batch, hq, hkv, sq, skv, d, dv, rows, (block_q, block_k))``: the blocks
+    given, or those of ``rule`` (a ``blocks.choose_*blocks``)."""
     batch, hq, sq, d = q.shape
     _, hkv, skv, dv = v.shape
     rows = hq // hkv * sq
-    block_q, block_k = block_sizes or blocks_lib.choose_blocks(
-        rows, skv, head_dim=d, v_dim=dv, itemsize=q.dtype.itemsize, window=window if causal else 0,
-        generation=generation)
+    chosen = block_sizes or rule(rows, skv, head_dim=d, v_dim=dv, itemsize=q.dtype.itemsize,
+                                 window=window if causal else 0, generation=generation)
+    return batch, hq, hkv, sq, skv, d, dv, rows, tuple(chosen)
+
+
+def _forward_plan(q, k, v, block_sizes, kv_splits, generation, causal, window):
+    batch, _, hkv, sq, skv, _, _, rows, (block_q, block_k) = _shapes_and_blocks(
+        blocks_lib.choose_blocks, q, v, block_sizes, causal, window, generation)
     num_q_blocks, num_kv_blocks = cdiv(rows, block_q), cdiv(skv, block_k)
     kv_steps = _max_kv_steps(num_kv_blocks, block_q=block_q, block_k=block_k, sq=sq, causal=causal, window=window)
     splits = kv_splits or blocks_lib.choose_kv_splits(batch * hkv, num_q_blocks, kv_steps, generation)
@@ -313,12 +320,8 @@ class VisitPlan(typing.NamedTuple):
 
 def _prepare(q, k, v, block_sizes, causal, window, generation):
     """Backward shapes and blocks."""
-    batch, hq, sq, d = q.shape
-    _, hkv, skv, dv = v.shape
-    rows = hq // hkv * sq
-    block_q, block_k = block_sizes or blocks_lib.choose_backward_blocks(
-        rows, skv, head_dim=d, v_dim=dv, itemsize=q.dtype.itemsize, window=window if causal else 0,
-        generation=generation)
+    batch, hq, hkv, sq, skv, d, dv, rows, (block_q, block_k) = _shapes_and_blocks(
+        blocks_lib.choose_backward_blocks, q, v, block_sizes, causal, window, generation)
     static = dict(block_q=block_q, block_k=block_k, sq=sq, causal=causal, window=window)
     return batch, hq, hkv, sq, skv, d, dv, rows, static
 
