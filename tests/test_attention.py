@@ -213,6 +213,20 @@ def test_a_mask_the_kernel_cannot_express_is_refused_on_its_path_and_exact_on_na
     _check(attention_tpu.attention(q, k, v, attention_mask=mask), want, torch.float32, "native packed")
 
 
+def test_tpu_guard_turns_unexpressible_batch_rows_to_nan():
+    """What the TPU path does with a mask its rule cannot reproduce (no host sync
+    to refuse it there): that batch row is NaN, the other rows are untouched."""
+    packed = torch.from_numpy(reference.attention_rule_mask([0, 0], [8, 8], 8, 8, causal=True, window=0)).clone()
+    packed[1, 0, 4:, :4] = False  # row 1: two packed documents of 4 tokens
+    start, end = masks.key_ranges(packed)
+    out = torch.ones(2, 3, 8, 5)
+    guarded = masks.poison_where_not_expressible(out, packed, start, end, causal=True, window=0)
+    assert torch.isnan(guarded[1]).all() and torch.equal(guarded[0], out[0])
+    rule = torch.from_numpy(reference.attention_rule_mask([0, 2], [8, 7], 8, 8, causal=True, window=3))
+    start, end = masks.key_ranges(rule)
+    assert torch.equal(masks.poison_where_not_expressible(out, rule, start, end, causal=True, window=3), out)
+
+
 def test_key_ranges_of_padding_and_static_cache_masks():
     visible = reference.attention_rule_mask([3, 0], [7, 10], 2, 12, causal=True, window=0)
     start, end = masks.key_ranges(torch.from_numpy(visible))

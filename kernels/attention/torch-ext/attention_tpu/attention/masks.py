@@ -7,7 +7,8 @@ position ``kv_end - Sq + i``), and ``causal`` / ``window`` on positions. A
 dense boolean mask from Transformers (``[B, 1, Sq, Skv]``, True = attend) is
 turned into ranges once per call; ``check_expressible`` refuses a mask the
 rule cannot reproduce (packed sequences, arbitrary patterns) rather than
-computing something else.
+computing something else (on the host), and on a TPU, where refusing would
+need a host sync, ``poison_where_not_expressible`` turns those batch rows to NaN.
 """
 
 from __future__ import annotations
@@ -64,3 +65,15 @@ def check_expressible(mask: torch.Tensor, kv_start, kv_end, *, causal: bool, win
             f"[batch, head, query, key] = {bad}. Packed sequences and arbitrary masks run on the native CPU "
             "path (impl='native')."
         )
+
+
+def poison_where_not_expressible(out: torch.Tensor, mask: torch.Tensor, kv_start, kv_end, *, causal: bool,
+                                 window: int) -> torch.Tensor:
+    """The device-side guard of the TPU path, where ``check_expressible`` would
+    cost a host sync per call: batch rows whose mask the rule does not
+    reproduce (packed sequences, arbitrary patterns) come out as NaN, loudly
+    wrong, never a silently different attention. ``out``: ``[B, Hq, Sq, Dv]``."""
+    b, heads, sq, skv = mask.shape
+    want = rule_mask(kv_start, kv_end, sq, skv, causal=causal, window=window).expand(b, heads, sq, skv)
+    differs = (mask != want).flatten(1).any(dim=1).view(-1, 1, 1, 1)
+    return torch.where(differs, torch.full_like(out, float("nan")), out)

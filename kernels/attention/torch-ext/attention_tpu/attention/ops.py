@@ -189,5 +189,8 @@ def attention(query, key, value, *, attention_mask=None, causal: bool = True, wi
                   softcap=float(softcap), scale=float(scale), block_q=block_q, block_k=block_k,
                   kv_splits=kv_splits or 0)
     if device == "tpu":
-        return TPU_OPS.get(TPU_FLASH_ATTENTION.name)(*TPU_FLASH_ATTENTION.args(params))[0]
+        out = TPU_OPS.get(TPU_FLASH_ATTENTION.name)(*TPU_FLASH_ATTENTION.args(params))[0]
+        if mask is None:
+            return out
+        return masks.poison_where_not_expressible(out, mask, kv_start, kv_end, causal=causal, window=window)
     return host_flash_attention(*FLASH_ATTENTION.args(params))[0]
