@@ -574,10 +574,9 @@ def _dkv_kernel(table_ref, q_range_ref, kv_start_ref, kv_end_ref, q_ref, k_ref, 
 
 
 def _dq_kernel(table_ref, kv_start_ref, kv_end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_acc,
-               *, block_q, block_k, sq, rows, skv, causal, window, softcap, scale, num_q_blocks, num_kv_blocks):
+               *, block_q, block_k, sq, rows, skv, causal, window, softcap, scale, num_q_blocks):
     b, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    kv_block = _kv_block_of_step(functools.partial(_table_entry, table_ref, b, q_block, num_q_blocks=num_q_blocks),
-                                 0, step, 0)
+    kv_block = _table_entry(table_ref, b, q_block, FIRST, num_q_blocks) + step  # walks from the first visible
     live, whole = _tile_kinds(table_ref, b, q_block, kv_block, num_q_blocks=num_q_blocks,
                               whole_q_blocks=rows // block_q)
 
@@ -666,12 +665,12 @@ def flash_attention_backward(q, k, v, out, lse, dout, kv_start, kv_end, sinks=No
     where = dict(num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks)
 
     def kv_index(b, h, qb, step, table_ref, *_):
-        entry = functools.partial(_table_entry, table_ref, b, qb, num_q_blocks=num_q_blocks)
-        return b, h, _clamped_kv_index(table_ref, b, qb, _kv_block_of_step(entry, 0, step, 0), **where), 0
+        kv_block = _table_entry(table_ref, b, qb, FIRST, num_q_blocks) + step
+        return b, h, _clamped_kv_index(table_ref, b, qb, kv_block, **where), 0
 
     row_block = lambda b, h, qb, step, *_: (b, h, qb, 0)  # noqa: E731
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, num_kv_blocks=num_kv_blocks, **common),
+        functools.partial(_dq_kernel, **common),
         out_shape=out_struct(q_rows.shape, q.dtype, q, k, v, dout),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3, grid=(batch, hkv, num_q_blocks, kv_walk),
