@@ -21,11 +21,12 @@ MODULES = {
 HIDDEN = 32
 
 
-def build(kind, seed, dtype=torch.float32, std=0.2):
+def build(kind, seed, dtype=torch.float32, std=0.2, **config):
+    """A random ``kind`` module; ``config`` overrides entries of its config (e.g. the expert count)."""
     cls_path, cfg = MODULES[kind]
     module_name, cls_name = cls_path.rsplit(".", 1)
     cls = getattr(importlib.import_module(module_name), cls_name)
-    cfg = dict(cfg)
+    cfg = dict(cfg, **config)
     model_type = cfg.pop("model_type", None)
     config = AutoConfig.for_model(model_type, **cfg) if model_type else PretrainedConfig(**cfg)
     torch.manual_seed(seed)

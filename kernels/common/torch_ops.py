@@ -131,11 +131,15 @@ def register_host_pair(forward: OpDecl, forward_impl, forward_fake, backward: Op
     return forward_op, backward_op
 
 
-def make_tpu_op(decl: OpDecl, jax_impl: Callable):
+def make_tpu_op(decl: OpDecl, jax_impl: Callable, **jax_op_options):
     """The TPU op ``decl`` through ``jax_op``; ``jax_impl(**params)`` is the JAX program.
 
     Tensor parameters arrive as ``jax.Array``; the others are static, so each
-    combination of them compiles once (cached by torch_tpu).
+    combination of them compiles once (cached by torch_tpu). ``jax_op_options``
+    go to ``jax_op`` as they are: ``mesh=``, ``input_partition_specs=`` (one
+    per parameter of ``decl``, static ones included) and
+    ``output_partition_specs=`` for an SPMD program, whose torch tensors are
+    then each rank's shards.
     """
 
     def program(*args, **kwargs):
@@ -143,7 +147,7 @@ def make_tpu_op(decl: OpDecl, jax_impl: Callable):
 
     program.__signature__ = decl.jax_signature()
     program.__name__ = decl.name
-    return torch.tpu.pallas.jax_op(op_name(decl.name))(program)
+    return torch.tpu.pallas.jax_op(op_name(decl.name), **jax_op_options)(program)
 
 
 class TpuOpRegistry:

@@ -5,6 +5,10 @@
 ``experts_implementation=``. ``ragged_dot`` is the grouped matmul underneath.
 ``fused_experts_forward_interpret`` runs the TPU program on CPU in Pallas
 interpret mode (a correctness check, not fast).
+``expert_parallel_experts_forward(module, hidden_states, top_k_index,
+top_k_weights, mesh=, axis=, tokens=)`` runs the layer as one SPMD program
+with its experts split over a mesh axis (a ``jax_op`` with a mesh on TPU; JAX
+CPU devices in interpret mode on CPU).
 
 Assembled by build/hub.py (hub_manifests/moe-experts-tpu.toml): this module,
 ``experts/`` (this kernel's sources), ``gmm/`` (from ragged-dot) and
@@ -12,6 +16,7 @@ Assembled by build/hub.py (hub_manifests/moe-experts-tpu.toml): this module,
 """
 
 try:
+    from .experts.expert_parallel_torch import expert_parallel_experts_forward
     from .experts.forward import experts_forward, fused_experts_forward_interpret
 except ImportError as e:
     if e.name is None or not e.name.startswith(f"{__name__}."):
@@ -27,5 +32,6 @@ from .experts.registration import DEFAULT_NAME, register
 from .gmm.ops import ragged_dot
 
 __all__ = [
-    "DEFAULT_NAME", "NAMESPACE", "experts_forward", "fused_experts_forward_interpret", "ragged_dot", "register",
+    "DEFAULT_NAME", "NAMESPACE", "expert_parallel_experts_forward", "experts_forward",
+    "fused_experts_forward_interpret", "ragged_dot", "register",
 ]

@@ -11,4 +11,7 @@ ragged-dot-tpu (whose ``experts_forward`` v1 API it serves).
 * ``program``: the whole layer as one JAX program (the TPU inference path);
 * ``forward``: ``experts_forward``, the choice of path, the composed path;
 * ``registration``: ``register()`` into Transformers' ``ALL_EXPERTS_FUNCTIONS``.
+* ``expert_parallel``: the layer as one SPMD program over a mesh axis (JAX);
+* ``expert_parallel_torch``: ``expert_parallel_experts_forward``, that program
+  from a torch module (a ``jax_op`` with a mesh on TPU, JAX CPU devices on CPU).
 """

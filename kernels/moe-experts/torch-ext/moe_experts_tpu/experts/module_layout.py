@@ -22,8 +22,8 @@ ACTIVATION_NAMES = {
 }
 
 
-def check_module(module) -> None:
-    """TypeError unless ``module`` has what every experts layout needs."""
+def check_module(module, function: str = "experts_forward") -> None:
+    """TypeError (naming ``function``) unless ``module`` has what every experts layout needs."""
     has_gate = getattr(module, "has_gate", True)
     needed = ["num_experts", "down_proj", "gate_up_proj" if has_gate else "up_proj"]
     needed.append("_apply_gate" if has_gate else "act_fn")
@@ -35,7 +35,7 @@ def check_module(module) -> None:
         missing.append("post_expert_norm")
     if missing:
         raise TypeError(
-            f"experts_forward: {type(module).__name__} is not a Transformers experts module: it lacks "
+            f"{function}: {type(module).__name__} is not a Transformers experts module: it lacks "
             f"{missing} (expected the attributes of a module decorated with @use_experts_implementation)"
         )
 

@@ -11,17 +11,16 @@ FUNCTION = "experts_forward"
 EXPERT_ID_DTYPES = (torch.int32, torch.int64)
 
 
-def _fail(message: str):
-    validation.fail(FUNCTION, message)
-
-
 def check_experts_args(hidden_states, top_k_index, top_k_weights, num_experts: int, hidden_size: int,
-                       check_values: bool) -> None:
+                       check_values: bool, function: str = FUNCTION) -> None:
     """Shapes and dtypes always (they hold for fake tensors too); the expert
     ids only where their values are on the host (``check_values``). Ids in
     ``[0, num_experts]`` are valid: ``num_experts`` is the expert-parallel
-    sentinel of a pick owned by another rank."""
-    validation.check_tensors(FUNCTION, hidden_states=hidden_states, top_k_index=top_k_index,
+    sentinel of a pick owned by another rank. Errors name ``function``."""
+    def _fail(message: str):
+        validation.fail(function, message)
+
+    validation.check_tensors(function, hidden_states=hidden_states, top_k_index=top_k_index,
                              top_k_weights=top_k_weights)
     if hidden_states.dim() != 2 or hidden_states.shape[1] != hidden_size:
         _fail(f"hidden_states must be [tokens, {hidden_size}] (the module's hidden size), "
@@ -33,10 +32,10 @@ def check_experts_args(hidden_states, top_k_index, top_k_weights, num_experts: i
               f"got {tuple(top_k_weights.shape)}")
     # One rule on every path: int32 or int64 ids (Transformers' routers give
     # int64). uint8 or int8 would be read as masks or refused by index ops.
-    validation.check_integer_dtype(FUNCTION, "top_k_index", top_k_index, EXPERT_ID_DTYPES)
+    validation.check_integer_dtype(function, "top_k_index", top_k_index, EXPERT_ID_DTYPES)
     if not top_k_weights.dtype.is_floating_point:
         _fail(f"top_k_weights must be floating point, got {top_k_weights.dtype}")
-    validation.check_one_device(FUNCTION, hidden_states=hidden_states, top_k_index=top_k_index,
+    validation.check_one_device(function, hidden_states=hidden_states, top_k_index=top_k_index,
                                 top_k_weights=top_k_weights)
     if check_values and top_k_index.numel():
         low, high = top_k_index.min().item(), top_k_index.max().item()
