@@ -79,7 +79,8 @@ def ours(generation, b, hq, hkv, sq, skv, filled, d, window):
     from attention_tpu.attention import pallas_flash
 
     def fn(q, k, v, start, end):
-        return pallas_flash.flash_attention(q, k, v, start, end, causal=True, window=window, generation=generation)
+        bounds = pallas_flash.rule_key_bounds(start, end, sq=sq, skv=skv, causal=True, window=window)
+        return pallas_flash.flash_attention(q, k, v, bounds, causal=True, window=window, generation=generation)
 
     return fn, _qkv(b, hq, hkv, sq, skv, d) + (np.zeros(b, np.int32), np.full(b, filled, np.int32))
 
@@ -150,9 +151,10 @@ def training(make):
             from attention_tpu.attention import pallas_flash
 
             def step(q, k, v, start, end):
-                out, lse = pallas_flash.flash_attention_with_lse(q, k, v, start, end, causal=True, window=window,
+                bounds = pallas_flash.rule_key_bounds(start, end, sq=sq, skv=skv, causal=True, window=window)
+                out, lse = pallas_flash.flash_attention_with_lse(q, k, v, bounds, causal=True, window=window,
                                                                  generation=generation)
-                return pallas_flash.flash_attention_backward(q, k, v, out, lse, jnp.ones_like(out), start, end,
+                return pallas_flash.flash_attention_backward(q, k, v, out, lse, jnp.ones_like(out), bounds,
                                                              causal=True, window=window, generation=generation)[:3]
             return step, args
         return jax.grad(lambda q, k, v: fn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)), args

@@ -103,8 +103,9 @@ start, end = np.array([0, 2], np.int32), np.array([11, 11], np.int32)
 
 
 def tp_attention(q, k, v, s, t):
-    out, lse = pallas_flash.flash_attention_with_lse(q, k, v, s, t, causal=True, interpret=interpret)
-    grads = pallas_flash.flash_attention_backward(q, k, v, out, lse, jnp.ones_like(out), s, t, causal=True,
+    bounds = pallas_flash.rule_key_bounds(s, t, sq=q.shape[2], skv=k.shape[2], causal=True, window=0)
+    out, lse = pallas_flash.flash_attention_with_lse(q, k, v, bounds, causal=True, interpret=interpret)
+    grads = pallas_flash.flash_attention_backward(q, k, v, out, lse, jnp.ones_like(out), bounds, causal=True,
                                                   interpret=interpret)
     return out, grads[0]
 

@@ -116,13 +116,30 @@ def test_kv_splits_merge_to_one_softmax(kv_splits):
         _check(got, want, torch.float32, f"kv_splits={kv_splits} causal={causal} window={window}")
 
 
-def _brute_force_table(start, end, *, rows, sq, skv, block_q, block_k, causal, window):
-    """Per (batch, query block): first/last KV block any real row sees, and the
-    blocks every real row sees whole, from the dense float64 reference mask."""
-    visible = reference.attention_rule_mask(start, end, sq, skv, causal=causal, window=window)[:, 0]
-    by_row = np.concatenate([visible] * (rows // sq), axis=1)  # rows = head-major (head, query)
+def _random_ranges(rng, b, sq, skv):
+    """int32 ``[B, Sq, 2]`` key ranges of every kind a mask gives: empty rows,
+    right-padding-like long rows, short ones, packed-document-like starts."""
+    lo = rng.integers(0, skv + 1, (b, sq))
+    hi = np.minimum(skv, lo + rng.integers(-3, skv + 1, (b, sq)))
+    return np.stack([lo, hi], axis=-1).astype(np.int32)
+
+
+def _ranges_mask(bounds, skv):
+    """``[B, 1, Sq, Skv]`` from per-query ranges, one entry at a time."""
+    b, sq, _ = bounds.shape
+    out = np.zeros((b, 1, sq, skv), dtype=bool)
+    for i in range(b):
+        for j in range(sq):
+            out[i, 0, j, bounds[i, j, 0]:max(bounds[i, j, 0], bounds[i, j, 1])] = True
+    return out
+
+
+def _brute_force_table(visible, *, rows, skv, block_q, block_k):
+    """Per (batch, query block): the KV blocks any real row sees, and the blocks
+    every real row sees whole, from a dense ``[B, 1, Sq, Skv]`` mask."""
+    by_row = np.concatenate([visible[:, 0]] * (rows // visible.shape[2]), axis=1)  # rows = (head, query)
     out = []
-    for b in range(len(start)):
+    for b in range(len(visible)):
         for r0 in range(0, rows, block_q):
             block = by_row[b, r0:r0 + block_q]
             blocks_seen = [kb for kb in range(-(-skv // block_k)) if block[:, kb * block_k:(kb + 1) * block_k].any()]
@@ -132,28 +149,89 @@ def _brute_force_table(start, end, *, rows, sq, skv, block_q, block_k, causal, w
     return out
 
 
-@pytest.mark.parametrize("trial", range(4))
+@pytest.mark.parametrize("trial", range(6))
 def test_visit_table_matches_the_dense_mask(trial):
-    """The per-call table the kernel walks by: every visible block is inside
-    [FIRST, LAST], the ends are visible, and exactly the whole blocks skip the mask."""
+    """The per-call table the kernel walks by, from rule ranges (even trials) or
+    arbitrary ones (odd): every visible block is inside [FIRST, LAST], the ends
+    are visible, and exactly the whole blocks skip the mask."""
     rng = np.random.default_rng(SEED + trial)
     b, group, sq, skv = 3, int(rng.integers(1, 4)), int(rng.integers(1, 40)), int(rng.integers(1, 700))
     block_q, block_k = int(rng.choice([8, 16, 24])), int(rng.choice([128, 256]))
-    start = rng.integers(0, skv, b).astype(np.int32)
-    end = np.minimum(skv, start + rng.integers(0, skv, b)).astype(np.int32)
-    causal, window = bool(rng.integers(0, 2)), int(rng.choice([0, 1, 50, 300]))
+    if trial % 2:
+        bounds = _random_ranges(rng, b, sq, skv)
+        visible = _ranges_mask(bounds, skv)
+    else:
+        start = rng.integers(0, skv, b).astype(np.int32)
+        end = np.minimum(skv, start + rng.integers(0, skv, b)).astype(np.int32)
+        causal, window = bool(rng.integers(0, 2)), int(rng.choice([0, 1, 50, 300]))
+        bounds = pallas_flash.rule_key_bounds(start, end, sq=sq, skv=skv, causal=causal, window=window)
+        visible = reference.attention_rule_mask(start, end, sq, skv, causal=causal, window=window)
     rows = group * sq
-    table = np.asarray(pallas_flash.visit_table(
-        np.asarray(start), np.asarray(end), num_q_blocks=-(-rows // block_q), block_q=block_q, block_k=block_k,
-        rows=rows, sq=sq, skv=skv, causal=causal, window=window)).reshape(-1, 4)
-    want = _brute_force_table(start, end, rows=rows, sq=sq, skv=skv, block_q=block_q, block_k=block_k,
-                              causal=causal, window=window)
+    table = np.asarray(pallas_flash.visit_table(pallas_flash.row_bounds(bounds, group),
+                                                num_q_blocks=-(-rows // block_q), block_q=block_q, block_k=block_k,
+                                                rows=rows)).reshape(-1, 4)
+    want = _brute_force_table(visible, rows=rows, skv=skv, block_q=block_q, block_k=block_k)
     for (first, last, full_first, full_last), (seen, whole) in zip(table, want):
         if seen:
             assert (first, last) == (seen[0], seen[-1]), (first, last, seen)
         else:
             assert last < first
         assert list(range(full_first, full_last + 1)) == whole, (full_first, full_last, whole)
+
+
+def _packed_and_right_padded_mask(b, sq, window=0):
+    """Batch row 0: three packed documents (6, 9 and the rest of the tokens);
+    row 1: right padding after 7 tokens (padding queries see the real keys).
+    Causal within a document, and a sliding ``window`` when given."""
+    mask = np.zeros((b, 1, sq, sq), dtype=bool)
+    starts = [0, 6, 15]
+    for i in range(sq):
+        doc = max(s for s in starts if s <= i)
+        mask[0, 0, i, max(doc, i - window + 1 if window else 0):i + 1] = True
+        if b > 1:
+            mask[1, 0, i, max(0, i - window + 1 if window else 0):min(i, 6) + 1] = True
+    return mask
+
+
+@pytest.mark.parametrize("block_sizes", [None, (16, 128)])
+def test_packed_sequences_and_right_padding_on_the_pallas_path(block_sizes):
+    """Masks that are one key range per query but no rule over a range per batch
+    row: packed documents, right padding. Forward and gradients equal float64."""
+    q, k, v, sinks = _inputs((2, 4, 2, 40, 40, 16, 16), torch.float32, seed=16)
+    for window in (0, 5):
+        visible = _packed_and_right_padded_mask(2, 40, window)
+        got = attention_tpu.attention(q, k, v, attention_mask=torch.from_numpy(visible), window=window,
+                                      sinks=sinks, block_sizes=block_sizes, impl="interpret")
+        want = reference.attention(q, k, v, visible, scale=0.25, sinks=sinks.numpy())
+        _check(got, want, torch.float32, f"packed/right-padded window={window} blocks={block_sizes}")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    mask = torch.from_numpy(_packed_and_right_padded_mask(2, 40))
+    attention_tpu.attention(*leaves[:3], attention_mask=mask, sinks=leaves[3], block_sizes=block_sizes,
+                            impl="interpret").square().sum().backward()
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v, sinks)]
+    _f64_loss(*ref_leaves, mask, 0.0, 0.25).backward()
+    for name, got, want in zip("q k v sinks".split(), leaves, ref_leaves):
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-4, atol=1e-5, msg=f"d{name} seed={SEED}")
+
+
+def test_arbitrary_ranges_are_exact_even_against_the_window_hint():
+    """``causal`` / ``window`` only choose blocks and walks: random per-query
+    ranges, far wider than the window named, still give the exact attention and
+    gradients (the grids are sized from the data, not from the window)."""
+    rng = np.random.default_rng(SEED + 17)
+    q, k, v, _ = _inputs((2, 4, 2, 256, 300, 16, 16), torch.float32, seed=17)
+    visible = torch.from_numpy(_ranges_mask(_random_ranges(rng, 2, 256, 300), 300))
+    walk = pallas_flash._query_walk(16, group=2, block_q=32, block_k=128, sq=256, causal=True, window=8)
+    assert walk.relative  # the dk/dv kernel takes its window walk
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attention_tpu.attention(*leaves, attention_mask=visible, window=8, block_sizes=(32, 128), impl="interpret")
+    _check(out, reference.attention(q, k, v, visible.numpy(), scale=0.25), torch.float32, "random ranges")
+    out.square().sum().backward()
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    no_sink = torch.full((4,), -1e4, dtype=torch.float64)  # weighs exactly nothing in float64
+    _f64_loss(*ref_leaves, no_sink, visible, 0.0, 0.25).backward()
+    for name, got, want in zip("q k v".split(), leaves, ref_leaves):
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-4, atol=1e-5, msg=f"d{name} seed={SEED}")
 
 
 def test_sliding_window_grid_walks_only_the_window():
@@ -201,37 +279,51 @@ def test_additive_float_mask_and_per_head_mask():
         _check(attention_tpu.attention(q, k, v, attention_mask=per_head, impl=impl), want, torch.float32, impl)
 
 
-def test_a_mask_the_kernel_cannot_express_is_refused_on_its_path_and_exact_on_native():
-    """Packed sequences (two documents in one row): no key range + rule gives it."""
+def _unexpressible_masks():
+    """A query whose keys are not one range (every other key), and heads that
+    see different keys."""
+    causal = reference.attention_rule_mask([0, 0], [9, 9], 9, 9, causal=True, window=0)
+    strided = causal.copy()
+    strided[1, 0, 6, 1::2] = False
+    per_head = np.concatenate([causal, causal], axis=1)
+    per_head[0, 1, 4, 0] = False
+    return {"strided": strided, "per_head": per_head}
+
+
+@pytest.mark.parametrize("kind", ["strided", "per_head"])
+def test_a_mask_the_kernel_cannot_express_is_refused_on_its_path_and_exact_on_native(kind):
     q, k, v, _ = _inputs(SHAPES["mha"], torch.float32, seed=9)
-    packed = np.tril(np.ones((9, 9), dtype=bool))
-    packed[5:, :5] = False  # the second document does not see the first
-    mask = torch.from_numpy(np.broadcast_to(packed, (2, 1, 9, 9)).copy())
-    with pytest.raises(ValueError, match="attention_mask is not expressible by the Pallas kernel's rule"):
+    mask = torch.from_numpy(_unexpressible_masks()[kind])
+    with pytest.raises(ValueError, match="attention_mask is not expressible by the Pallas kernel"):
         attention_tpu.attention(q, k, v, attention_mask=mask, impl="interpret")
     want = reference.attention(q, k, v, mask.numpy(), scale=0.25)
-    _check(attention_tpu.attention(q, k, v, attention_mask=mask), want, torch.float32, "native packed")
+    _check(attention_tpu.attention(q, k, v, attention_mask=mask), want, torch.float32, f"native {kind}")
 
 
 def test_tpu_guard_turns_unexpressible_batch_rows_to_nan():
-    """What the TPU path does with a mask its rule cannot reproduce (no host sync
-    to refuse it there): that batch row is NaN, the other rows are untouched."""
-    packed = torch.from_numpy(reference.attention_rule_mask([0, 0], [8, 8], 8, 8, causal=True, window=0)).clone()
-    packed[1, 0, 4:, :4] = False  # row 1: two packed documents of 4 tokens
-    start, end = masks.key_ranges(packed)
-    out = torch.ones(2, 3, 8, 5)
-    guarded = masks.poison_where_not_expressible(out, packed, start, end, causal=True, window=0)
-    assert torch.isnan(guarded[1]).all() and torch.equal(guarded[0], out[0])
-    rule = torch.from_numpy(reference.attention_rule_mask([0, 2], [8, 7], 8, 8, causal=True, window=3))
-    start, end = masks.key_ranges(rule)
-    assert torch.equal(masks.poison_where_not_expressible(out, rule, start, end, causal=True, window=3), out)
+    """What the TPU path does with a mask its ranges cannot reproduce (no host
+    sync to refuse it there): that batch row is NaN, the other rows are
+    untouched; packed and padded masks pass the guard."""
+    out = torch.ones(2, 2, 9, 5)
+    for kind, bad_row in (("strided", 1), ("per_head", 0)):
+        mask = torch.from_numpy(_unexpressible_masks()[kind])
+        guarded = masks.poison_where_not_expressible(out, mask, masks.key_bounds(mask))
+        assert torch.isnan(guarded[bad_row]).all() and torch.equal(guarded[1 - bad_row], out[1 - bad_row]), kind
+    for visible in (_packed_and_right_padded_mask(2, 9, window=3),
+                    reference.attention_rule_mask([0, 2], [9, 8], 9, 9, causal=True, window=3)):
+        mask = torch.from_numpy(visible)
+        assert torch.equal(masks.poison_where_not_expressible(out, mask, masks.key_bounds(mask)), out)
 
 
-def test_key_ranges_of_padding_and_static_cache_masks():
-    visible = reference.attention_rule_mask([3, 0], [7, 10], 2, 12, causal=True, window=0)
-    start, end = masks.key_ranges(torch.from_numpy(visible))
-    assert start.tolist() == [3, 0] and end.tolist() == [7, 10]
-    masks.check_expressible(torch.from_numpy(visible), start, end, causal=True, window=0)
+def test_key_bounds_of_padding_static_cache_and_rule():
+    visible = torch.from_numpy(reference.attention_rule_mask([3, 0], [7, 10], 2, 12, causal=True, window=0))
+    bounds = masks.key_bounds(visible)
+    assert bounds.tolist() == [[[3, 6], [3, 7]], [[0, 9], [0, 10]]]
+    masks.check_expressible(visible, bounds)
+    rule = masks.rule_key_bounds(torch.tensor([3, 0]), torch.tensor([7, 10]), 2, 12, causal=True, window=0)
+    assert torch.equal(rule, bounds) and torch.equal(masks.bounds_mask(rule, 12), visible)
+    nothing = torch.zeros(1, 1, 2, 5, dtype=torch.bool)
+    assert masks.key_bounds(nothing).tolist() == [[[0, 0], [0, 0]]]
 
 
 @pytest.mark.parametrize("sq,skv,causal,window,live_at_most", [
@@ -360,7 +452,11 @@ def test_gradients_over_many_blocks_and_window_walks(window):
     q, k, v, sinks = _inputs((2, 4, 2, 256, 256, 16, 16), torch.float32, seed=15)
     start, end = np.array([0, 30], np.int32), np.array([256, 256], np.int32)
     walk = pallas_flash._query_walk(16, group=2, block_q=32, block_k=128, sq=256, causal=True, window=window)
-    assert walk.relative == bool(window) and (not window or walk.steps < walk.blocks_per_head)
+    bounds = pallas_flash.row_bounds(pallas_flash.rule_key_bounds(start, end, sq=256, skv=256, causal=True,
+                                                                  window=window), 2)
+    table = pallas_flash.visit_table(bounds, num_q_blocks=16, block_q=32, block_k=128, rows=512)
+    _, steps = pallas_flash._walk_plan(table, walk, num_q_blocks=16, num_kv_blocks=2)
+    assert walk.relative == bool(window) and (not window or int(steps) < walk.blocks_per_head)
     visible = torch.from_numpy(reference.attention_rule_mask(start, end, 256, 256, causal=True, window=window))
     leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
     attention_tpu.attention(*leaves[:3], attention_mask=visible, sinks=leaves[3], window=window,

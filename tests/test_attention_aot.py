@@ -34,7 +34,8 @@ def test_forward_compiles(generation, case, record_property):
     record_property("blocks", (block_q, block_k))
 
     def fn(q, k, v, start, end, *sink):
-        return pallas_flash.flash_attention(q, k, v, start, end, sink[0] if sink else None, causal=True,
+        bounds = pallas_flash.rule_key_bounds(start, end, sq=sq, skv=skv, causal=True, window=window)
+        return pallas_flash.flash_attention(q, k, v, bounds, sink[0] if sink else None, causal=True,
                                             window=window, softcap=softcap, generation=generation)
 
     inputs = [((b, hq, sq, d), jnp.bfloat16), ((b, hkv, skv, d), jnp.bfloat16), ((b, hkv, skv, d), jnp.bfloat16),
@@ -56,7 +57,8 @@ def test_backward_compiles(generation, case):
             <= tpu_generations.get_generation(generation).vmem_budget)
 
     def fn(q, k, v, out, lse, dout, start, end, *sink):
-        return pallas_flash.flash_attention_backward(q, k, v, out, lse, dout, start, end, sink[0] if sink else None,
+        bounds = pallas_flash.rule_key_bounds(start, end, sq=sq, skv=skv, causal=True, window=window)
+        return pallas_flash.flash_attention_backward(q, k, v, out, lse, dout, bounds, sink[0] if sink else None,
                                                      causal=True, window=window, softcap=softcap,
                                                      generation=generation)
 
@@ -67,10 +69,11 @@ def test_backward_compiles(generation, case):
 
 
 def test_f32_and_odd_shapes_compile():
-    fn = lambda q, k, v, s, e: pallas_flash.flash_attention(q, k, v, s, e, causal=True, window=7,  # noqa: E731
-                                                            generation="v5e")
+    def fn(q, k, v, bounds):
+        return pallas_flash.flash_attention(q, k, v, bounds, causal=True, window=7, generation="v5e")
+
     aot.compile_for("v5e", fn, ((2, 6, 77, 80), jnp.float32), ((2, 3, 300, 80), jnp.float32),
-                    ((2, 3, 300, 48), jnp.float32), ((2,), jnp.int32), ((2,), jnp.int32))
+                    ((2, 3, 300, 48), jnp.float32), ((2, 77, 2), jnp.int32))
 
 
 @pytest.mark.parametrize("generation", ["v5p", "v6e"])
@@ -78,7 +81,8 @@ def test_split_kv_decode_compiles(generation):
     """One MQA decode stream (a single parallel (batch, head) pair): the keys split
     in two parts merged after the kernel, the rule's choice on megacore v5p."""
     def fn(q, k, v, start, end):
-        return pallas_flash.flash_attention(q, k, v, start, end, causal=True, kv_splits=2, generation=generation)
+        bounds = pallas_flash.rule_key_bounds(start, end, sq=1, skv=32768, causal=True, window=0)
+        return pallas_flash.flash_attention(q, k, v, bounds, causal=True, kv_splits=2, generation=generation)
 
     assert blocks.choose_kv_splits(1, 1, 8, generation) == (2 if generation == "v5p" else 1)
     aot.compile_for(generation, fn, ((1, 8, 1, 128), jnp.bfloat16), ((1, 1, 32768, 128), jnp.bfloat16),

@@ -1,14 +1,18 @@
 """Which keys each query sees, on the torch side.
 
-The kernels take the mask as a rule, not as a dense tensor: per batch row a
-range of valid keys ``[kv_start, kv_end)`` (left padding, the filled part of
-a static cache), queries aligned to the end of that range (query ``i`` at
-position ``kv_end - Sq + i``), and ``causal`` / ``window`` on positions. A
-dense boolean mask from Transformers (``[B, 1, Sq, Skv]``, True = attend) is
-turned into ranges once per call; ``check_expressible`` refuses a mask the
-rule cannot reproduce (packed sequences, arbitrary patterns) rather than
-computing something else (on the host), and on a TPU, where refusing would
-need a host sync, ``poison_where_not_expressible`` turns those batch rows to NaN.
+The Pallas kernels take the mask as one contiguous key range ``[lo, hi)`` per
+query (``key_bounds``, int32 ``[B, Sq, 2]``, shared by every head), not as a
+dense tensor. Every mask Transformers builds for a decoder is such a range
+per row: causal, sliding windows, padding on either side, a static cache,
+packed sequences (each query sees its own document's keys). Without a mask
+the ranges come from the rule (``rule_key_bounds``: every key, queries
+aligned to the end of the keys, ``causal`` and ``window`` on positions).
+
+A dense boolean mask (``[B, 1 or H, Sq, Skv]``, True = attend) is turned into
+ranges once per call; ``check_expressible`` refuses a mask whose rows are not
+one range or that differs between heads rather than computing something else
+(on the host), and on a TPU, where refusing would need a host sync,
+``poison_where_not_expressible`` turns those batch rows to NaN.
 """
 
 from __future__ import annotations
@@ -18,17 +22,29 @@ import torch
 FUNCTION = "attention"
 
 
+def rule_key_bounds(kv_start: torch.Tensor, kv_end: torch.Tensor, sq: int, skv: int, *, causal: bool,
+                    window: int) -> torch.Tensor:
+    """int32 ``[B, Sq, 2]``: keys ``[kv_start, kv_end)``, query ``i`` at position
+    ``p = kv_end - Sq + i``; ``causal`` keeps keys ``<= p``, a ``window`` keys
+    ``> p - window`` (``hi <= lo``: the query sees no key)."""
+    start, end = kv_start.view(-1, 1).int(), kv_end.view(-1, 1).int()
+    pos = end - sq + torch.arange(sq, device=kv_start.device, dtype=torch.int32)
+    hi = torch.clamp(end, max=skv).expand_as(pos)
+    hi = torch.minimum(hi, pos + 1) if causal else hi
+    lo = torch.maximum(start, pos - window + 1) if window else start.expand_as(pos)
+    return torch.stack([lo, hi], dim=-1).to(torch.int32)
+
+
+def bounds_mask(bounds: torch.Tensor, skv: int) -> torch.Tensor:
+    """The ranges as a dense ``[B, 1, Sq, Skv]`` boolean mask (True = attend)."""
+    keys = torch.arange(skv, device=bounds.device)
+    return ((keys >= bounds[..., :1]) & (keys < bounds[..., 1:])).unsqueeze(1)
+
+
 def rule_mask(kv_start: torch.Tensor, kv_end: torch.Tensor, sq: int, skv: int, *, causal: bool,
               window: int) -> torch.Tensor:
     """The rule as a dense ``[B, 1, Sq, Skv]`` boolean mask (True = attend)."""
-    keys = torch.arange(skv, device=kv_start.device)
-    pos = (kv_end.view(-1, 1) - sq + torch.arange(sq, device=kv_start.device)).view(-1, 1, sq, 1)
-    visible = (keys >= kv_start.view(-1, 1, 1, 1)) & (keys < kv_end.view(-1, 1, 1, 1))
-    if causal:
-        visible = visible & (keys <= pos)
-    if window:
-        visible = visible & (keys > pos - window)
-    return visible.expand(kv_start.shape[0], 1, sq, skv)
+    return bounds_mask(rule_key_bounds(kv_start, kv_end, sq, skv, causal=causal, window=window), skv)
 
 
 def as_bool_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -40,40 +56,42 @@ def as_bool_mask(mask: torch.Tensor) -> torch.Tensor:
     return mask > torch.finfo(mask.dtype).min / 2
 
 
-def key_ranges(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(kv_start, kv_end)`` int32 ``[B]``: the first and one past the last key any
-    query of the batch row attends to (``0, 0`` for a row that attends to none)."""
-    seen = mask.any(dim=-2).any(dim=1)  # [B, Skv]
-    skv = seen.shape[-1]
-    keys = torch.arange(skv, device=mask.device)
-    start = torch.where(seen, keys, skv).amin(dim=-1)
-    end = torch.where(seen, keys + 1, 0).amax(dim=-1)
-    start = torch.where(end > 0, start, 0)
-    return start.to(torch.int32), end.to(torch.int32)
+def key_bounds(mask: torch.Tensor) -> torch.Tensor:
+    """int32 ``[B, Sq, 2]``: per query of the first head, its first visible key
+    and one past its last (``0, 0`` for a query that sees none). Exact for the
+    mask only where ``check_expressible`` holds."""
+    visible = mask[:, 0].to(torch.uint8)  # one byte per entry: argmax finds the first visible key
+    skv = visible.shape[-1]
+    seen = visible.amax(dim=-1).bool()
+    lo = visible.argmax(dim=-1)
+    hi = skv - visible.flip(-1).argmax(dim=-1)
+    zero = torch.zeros_like(lo)
+    return torch.stack([torch.where(seen, lo, zero), torch.where(seen, hi, zero)], dim=-1).to(torch.int32)
 
 
-def check_expressible(mask: torch.Tensor, kv_start, kv_end, *, causal: bool, window: int) -> None:
-    """ValueError unless the rule with these ranges reproduces ``mask`` exactly
-    (host tensors only: on a TPU this check would cost a device-to-host sync)."""
+def _differs(mask: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """Per batch row: does ``mask`` differ anywhere from its ranges (a row that
+    is not one range, a head that differs from the first)?"""
     b, heads, sq, skv = mask.shape
-    want = rule_mask(kv_start, kv_end, sq, skv, causal=causal, window=window)
-    if not torch.equal(mask, want.expand(b, heads, sq, skv)):
-        bad = (mask != want).nonzero()[0].tolist()
+    return (mask != bounds_mask(bounds, skv).expand(b, heads, sq, skv)).flatten(1).any(dim=1)
+
+
+def check_expressible(mask: torch.Tensor, bounds: torch.Tensor) -> None:
+    """ValueError unless ``bounds`` reproduce ``mask`` exactly (host tensors only:
+    on a TPU this check would cost a device-to-host sync)."""
+    if _differs(mask, bounds).any():
+        bad = (mask != bounds_mask(bounds, mask.shape[-1])).nonzero()[0].tolist()
         raise ValueError(
-            f"{FUNCTION}: attention_mask is not expressible by the Pallas kernel's rule (a key range per batch "
-            f"row, queries aligned to its end, causal={causal}, window={window}); first differing entry "
-            f"[batch, head, query, key] = {bad}. Packed sequences and arbitrary masks run on the native CPU "
-            "path (impl='native')."
+            f"{FUNCTION}: attention_mask is not expressible by the Pallas kernel (one contiguous key range per "
+            f"query, the same for every head); first differing entry [batch, head, query, key] = {bad}. "
+            "Such masks run on the native CPU path (impl='native')."
         )
 
 
-def poison_where_not_expressible(out: torch.Tensor, mask: torch.Tensor, kv_start, kv_end, *, causal: bool,
-                                 window: int) -> torch.Tensor:
+def poison_where_not_expressible(out: torch.Tensor, mask: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     """The device-side guard of the TPU path, where ``check_expressible`` would
-    cost a host sync per call: batch rows whose mask the rule does not
-    reproduce (packed sequences, arbitrary patterns) come out as NaN, loudly
-    wrong, never a silently different attention. ``out``: ``[B, Hq, Sq, Dv]``."""
-    b, heads, sq, skv = mask.shape
-    want = rule_mask(kv_start, kv_end, sq, skv, causal=causal, window=window).expand(b, heads, sq, skv)
-    differs = (mask != want).flatten(1).any(dim=1).view(-1, 1, 1, 1)
+    cost a host sync per call: batch rows whose mask the ranges do not
+    reproduce come out as NaN, loudly wrong, never a silently different
+    attention. ``out``: ``[B, Hq, Sq, Dv]``."""
+    differs = _differs(mask, bounds).view(-1, 1, 1, 1)
     return torch.where(differs, torch.full_like(out, float("nan")), out)

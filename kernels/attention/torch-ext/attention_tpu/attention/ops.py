@@ -7,8 +7,9 @@
 * TPU: the Pallas kernel through ``torch_tpu``'s ``jax_op`` (one compile per
   static shape).
 
-The Pallas paths take the mask as key ranges plus the causal / window rule
-(``masks``); on the host the ranges are checked to reproduce the given mask.
+The Pallas paths take the mask as one key range per query (``masks``): the
+mask's own ranges, or the causal / window rule's without a mask; on the host
+the ranges are checked to reproduce the given mask.
 Both have a backward: the Pallas backward kernels (dq, dk, dv and the sinks'
 gradient), from the forward's log-sum-exp, declared as a second op.
 """
@@ -30,13 +31,12 @@ _STATIC = (("causal", "int"), ("window", "int"), ("softcap", "float"), ("scale",
            ("block_q", "int"), ("block_k", "int"), ("kv_splits", "int"))
 # Forward: (out [B, Hq, Sq, Dv], lse [B, Hkv, G * Sq, 1]); lse is what the backward needs.
 FLASH_ATTENTION = OpDecl("flash_attention", (
-    ("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("kv_start", "Tensor"), ("kv_end", "Tensor"),
-    ("sinks", "Tensor?"), *_STATIC,
+    ("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("key_bounds", "Tensor"), ("sinks", "Tensor?"), *_STATIC,
 ), returns=2)
 # Backward: (dq, dk, dv, d_sinks [Hq]).
 FLASH_ATTENTION_BWD = OpDecl("flash_attention_bwd", (
     ("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("out", "Tensor"), ("lse", "Tensor"), ("dout", "Tensor"),
-    ("kv_start", "Tensor"), ("kv_end", "Tensor"), ("sinks", "Tensor?"), *_STATIC,
+    ("key_bounds", "Tensor"), ("sinks", "Tensor?"), *_STATIC,
 ), returns=4)
 TPU_FLASH_ATTENTION = FLASH_ATTENTION.extended("flash_attention_tpu")
 TPU_FLASH_ATTENTION_BWD = FLASH_ATTENTION_BWD.extended("flash_attention_bwd_tpu")
@@ -69,38 +69,38 @@ def _run_interpreted(kernel, tensors, static):
         return tuple(jax_bridge.to_torch(o) for o in outs)
 
 
-def _host_flash(q, k, v, kv_start, kv_end, sinks, **static):
-    return _run_interpreted("flash_attention_with_lse", (q, k, v, kv_start, kv_end, sinks), static)
+def _host_flash(q, k, v, key_bounds, sinks, **static):
+    return _run_interpreted("flash_attention_with_lse", (q, k, v, key_bounds, sinks), static)
 
 
-def _fake_flash(q, k, v, kv_start, kv_end, sinks, **static):
+def _fake_flash(q, k, v, key_bounds, sinks, **static):
     rows = q.shape[1] * q.shape[2] // k.shape[1]
     return (q.new_empty((*q.shape[:3], v.shape[-1])),
             q.new_empty((q.shape[0], k.shape[1], rows, 1), dtype=torch.float32))
 
 
-def _host_flash_bwd(q, k, v, out, lse, dout, kv_start, kv_end, sinks, **static):
-    return _run_interpreted("flash_attention_backward", (q, k, v, out, lse, dout, kv_start, kv_end, sinks), static)
+def _host_flash_bwd(q, k, v, out, lse, dout, key_bounds, sinks, **static):
+    return _run_interpreted("flash_attention_backward", (q, k, v, out, lse, dout, key_bounds, sinks), static)
 
 
-def _fake_flash_bwd(q, k, v, out, lse, dout, kv_start, kv_end, sinks, **static):
+def _fake_flash_bwd(q, k, v, out, lse, dout, key_bounds, sinks, **static):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             q.new_empty((q.shape[1],), dtype=torch.float32))
 
 
-def _tpu_flash(q, k, v, kv_start, kv_end, sinks, **static):
+def _tpu_flash(q, k, v, key_bounds, sinks, **static):
     from ..common.tpu_generations import current_generation
     from . import pallas_flash
 
-    return pallas_flash.flash_attention_with_lse(q, k, v, kv_start, kv_end, sinks,
+    return pallas_flash.flash_attention_with_lse(q, k, v, key_bounds, sinks,
                                                  generation=current_generation(), **_kernel_kwargs(**static))
 
 
-def _tpu_flash_bwd(q, k, v, out, lse, dout, kv_start, kv_end, sinks, **static):
+def _tpu_flash_bwd(q, k, v, out, lse, dout, key_bounds, sinks, **static):
     from ..common.tpu_generations import current_generation
     from . import pallas_flash
 
-    return pallas_flash.flash_attention_backward(q, k, v, out, lse, dout, kv_start, kv_end, sinks,
+    return pallas_flash.flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks,
                                                  generation=current_generation(),
                                                  **_kernel_kwargs(**static, backward=True))
 
@@ -108,15 +108,14 @@ def _tpu_flash_bwd(q, k, v, out, lse, dout, kv_start, kv_end, sinks, **static):
 def _register_autograd(forward_op, forward_decl: OpDecl, backward_op, backward_decl: OpDecl):
     def setup_context(ctx, inputs, output):
         params = forward_decl.bind(inputs)
-        ctx.save_for_backward(params["q"], params["k"], params["v"], params["kv_start"], params["kv_end"],
-                              params["sinks"], *output)
+        ctx.save_for_backward(params["q"], params["k"], params["v"], params["key_bounds"], params["sinks"], *output)
         ctx.static = {name: params[name] for name in STATIC_NAMES}
 
     def backward(ctx, dout, dlse):
-        q, k, v, kv_start, kv_end, sinks, out, lse = ctx.saved_tensors
+        q, k, v, key_bounds, sinks, out, lse = ctx.saved_tensors
         dq, dk, dv, d_sinks = backward_op(*backward_decl.args(dict(
-            q=q, k=k, v=v, out=out, lse=lse, dout=dout.contiguous(), kv_start=kv_start, kv_end=kv_end,
-            sinks=sinks, **ctx.static)))
+            q=q, k=k, v=v, out=out, lse=lse, dout=dout.contiguous(), key_bounds=key_bounds, sinks=sinks,
+            **ctx.static)))
         return forward_decl.grads(q=dq, k=dk, v=dv, sinks=d_sinks if sinks is not None else None)
 
     forward_op.register_autograd(backward, setup_context=setup_context)
@@ -144,9 +143,11 @@ def attention(query, key, value, *, attention_mask=None, causal: bool = True, wi
     Which keys a query sees: ``attention_mask`` (bool ``[B, 1 or Hq, Sq, Skv]``,
     True = attend; or additive float) when given, else the rule: every key,
     restricted by ``causal`` (queries aligned to the end of the keys) and a
-    sliding ``window`` (keys ``> position - window``). The Pallas paths need the
-    mask to be that rule on a key range per batch row (padding, a static
-    cache); other masks raise there and run on the native path.
+    sliding ``window`` (keys ``> position - window``). With a mask, ``causal``
+    and ``window`` only choose the Pallas blocks. The Pallas paths need each
+    query's visible keys to be one contiguous range, the same for every head
+    (causal, windows, padding on either side, a static cache, packed
+    sequences); other masks raise there and run on the native path.
     ``scale`` defaults to ``D ** -0.5`` and is applied before ``softcap``
     (``cap * tanh(s / cap)``); ``sinks [Hq]`` join each softmax's denominator.
     ``block_sizes=(block_q, block_k)`` and ``kv_splits`` (parts the keys are
@@ -175,16 +176,16 @@ def attention(query, key, value, *, attention_mask=None, causal: bool = True, wi
     if device == "tpu" and impl != "auto":
         raise ValueError(f"attention: impl={impl!r} is a CPU implementation; use 'auto' on a TPU")
     if mask is None:
-        kv_start = torch.zeros((b,), dtype=torch.int32, device=query.device)
-        kv_end = torch.full((b,), skv, dtype=torch.int32, device=query.device)
+        full = torch.full((b,), skv, dtype=torch.int32, device=query.device)
+        bounds = masks.rule_key_bounds(torch.zeros_like(full), full, sq, skv, causal=causal, window=window)
     else:
-        kv_start, kv_end = masks.key_ranges(mask)
+        bounds = masks.key_bounds(mask)
         if device == "cpu":
-            masks.check_expressible(mask, kv_start, kv_end, causal=causal, window=window)
+            masks.check_expressible(mask, bounds)
     block_q, block_k = block_sizes or (0, 0)
     if block_sizes is not None:
         blocks.check_blocks(block_q, block_k, (hq // key.shape[1]) * sq, skv)
-    params = dict(q=query, k=key, v=value, kv_start=kv_start, kv_end=kv_end,
+    params = dict(q=query, k=key, v=value, key_bounds=bounds,
                   sinks=None if sinks is None else sinks.float(), causal=int(bool(causal)), window=window,
                   softcap=float(softcap), scale=float(scale), block_q=block_q, block_k=block_k,
                   kv_splits=kv_splits or 0)
@@ -192,5 +193,5 @@ def attention(query, key, value, *, attention_mask=None, causal: bool = True, wi
         out = TPU_OPS.get(TPU_FLASH_ATTENTION.name)(*TPU_FLASH_ATTENTION.args(params))[0]
         if mask is None:
             return out
-        return masks.poison_where_not_expressible(out, mask, kv_start, kv_end, causal=causal, window=window)
+        return masks.poison_where_not_expressible(out, mask, bounds)
     return host_flash_attention(*FLASH_ATTENTION.args(params))[0]

@@ -8,18 +8,25 @@ whole head group by one K/V block: K and V are read once per group, and one
 decode token of G heads is a G-row block, not a padded 128-row one. Row ``r``
 is head ``r // Sq`` of the group at query index ``i = r % Sq``.
 
-Which keys a row sees. Per batch row ``b`` the valid keys are ``[kv_start[b],
-kv_end[b])`` (scalar-prefetched: left padding, the filled part of a static
-cache). Queries are aligned to the end of the valid keys: query ``i`` sits at
-position ``p = kv_end[b] - Sq + i``. Then ``causal`` keeps keys ``<= p`` and a
-sliding ``window`` keeps keys ``> p - window``.
+Which keys a row sees. Every query index ``i`` of batch row ``b`` sees one
+contiguous key range ``key_bounds[b, i] = [lo, hi)`` (int32 ``[B, Sq, 2]``),
+shared by all heads. ``rule_key_bounds`` gives the ranges of the rule: valid
+keys ``[kv_start[b], kv_end[b])`` (left padding, the filled part of a static
+cache), queries aligned to the end of that range (query ``i`` at position
+``p = kv_end[b] - Sq + i``), ``causal`` keeping keys ``<= p`` and a sliding
+``window`` keys ``> p - window``. A caller with a mask passes the mask's own
+ranges instead: padding on either side, packed sequences (each query sees
+the keys of its own document), a static cache, windows, all are a range per
+row. ``causal`` and ``window`` then only choose blocks and how the grids walk
+(performance), never which keys a row sees.
 
-Skipped work. For each (batch, query block) the kernel computes the range of
-KV blocks any of its rows can see; grid steps outside it do no MXU work
-(``pl.when``), and their K/V index maps are clamped into the range, so the
-block already in VMEM is reused and no DMA starts: a causal prefill does about
+Skipped work. For each (batch, query block) a visit table (XLA, once per
+call, from the ranges) holds the KV blocks any of its rows can see and those
+every row sees whole; grid steps outside the first do no MXU work
+(``pl.when``) and their K/V index maps are clamped into it, so the block
+already in VMEM is reused and no DMA starts: a causal prefill does about
 half of the dense work, a windowed one ``~window / Skv`` of it, and decode
-against a static cache reads only the filled part.
+against a static cache reads only the filled part. Whole blocks skip the mask.
 
 Features: an arbitrary ``scale`` (applied before soft-capping), logit
 soft-capping ``cap * tanh(s / cap)``, attention sinks (one logit per query
@@ -65,40 +72,48 @@ LOG2_E = 1.4426950408889634
 TABLE_COLUMNS = 4
 
 
-def _query_index_bounds(num_q_blocks: int, *, block_q: int, rows: int, sq: int):
-    """Smallest and largest query index ``i`` among the real rows of each query block."""
-    r0 = np.arange(num_q_blocks) * block_q
-    r1 = np.minimum(r0 + block_q, rows) - 1
-    spans_heads = r1 // sq != r0 // sq
-    return np.where(spans_heads, 0, r0 % sq), np.where(spans_heads, sq - 1, r1 % sq)
+def rule_key_bounds(kv_start, kv_end, *, sq: int, skv: int, causal: bool, window: int):
+    """int32 ``[B, Sq, 2]``: the key range ``[lo, hi)`` of every query index under
+    the rule (see the module docstring): ``lo = max(start, p - window + 1)``,
+    ``hi = min(end, Skv, p + 1)`` at position ``p = end - Sq + i``; ``hi <= lo``
+    means the query sees no key."""
+    start = jnp.asarray(kv_start, jnp.int32)[:, None]
+    end = jnp.asarray(kv_end, jnp.int32)[:, None]
+    pos = end - sq + jnp.arange(sq, dtype=jnp.int32)[None, :]
+    hi = jnp.minimum(end, skv)
+    hi = jnp.minimum(hi, pos + 1) if causal else jnp.broadcast_to(hi, pos.shape)
+    lo = jnp.maximum(start, pos - window + 1) if window else jnp.broadcast_to(start, pos.shape)
+    return jnp.stack([lo, hi], axis=-1)
 
 
-def visit_table(kv_start, kv_end, *, num_q_blocks: int, block_q: int, block_k: int, rows: int, sq: int,
-                skv: int, causal: bool, window: int):
-    """int32 ``[B * num_q_blocks * 4]``: per (batch, query block) the KV blocks
-    ``[FIRST, LAST]`` any of its rows sees (``LAST < FIRST``: none) and the
-    blocks ``[FULL_FIRST, FULL_LAST]`` every row sees whole (no mask needed).
+def row_bounds(key_bounds, group: int):
+    """``[B, Sq, 2]`` ranges per query index -> ``[B, G * Sq, 2]`` per kernel row
+    (row ``r`` is query index ``r % Sq``: the G heads of a group share them)."""
+    return jnp.tile(jnp.asarray(key_bounds, jnp.int32), (1, group, 1))
 
-    Rows see ``[lo(p), hi(p))`` with ``lo(p) = max(start, p - window + 1)`` and
-    ``hi(p) = min(end, Skv, p + 1)`` at query position ``p``; both grow with p,
-    so the union over a block is ``[lo(p_min), hi(p_max))`` and the
-    intersection ``[lo(p_max), hi(p_min))``."""
-    first_i, last_i = _query_index_bounds(num_q_blocks, block_q=block_q, rows=rows, sq=sq)
-    start = kv_start.astype(jnp.int32)[:, None]
-    end = kv_end.astype(jnp.int32)[:, None]
-    p_min, p_max = end - sq + jnp.asarray(first_i, jnp.int32), end - sq + jnp.asarray(last_i, jnp.int32)
 
-    def lo(p):
-        return jnp.maximum(start, p - window + 1) if window else jnp.broadcast_to(start, p.shape)
-
-    def hi(p):
-        h = jnp.minimum(end, skv)
-        return jnp.minimum(h, p + 1) if causal else jnp.broadcast_to(h, p.shape)
-
-    any_lo, any_hi = lo(p_min), hi(p_max)
-    all_lo, all_hi = lo(p_max), hi(p_min)
-    first = any_lo // block_k
-    last = jnp.where(any_hi > any_lo, (any_hi + block_k - 1) // block_k - 1, first - 1)
+def visit_table(bounds, *, num_q_blocks: int, block_q: int, block_k: int, rows: int):
+    """int32 ``[B * num_q_blocks * 4]`` from the per-row ranges ``bounds [B, rows,
+    2]``: per (batch, query block) the KV blocks ``[FIRST, LAST]`` any of its
+    rows sees (``LAST < FIRST``: none) and the blocks ``[FULL_FIRST,
+    FULL_LAST]`` every row sees whole (no mask needed). The union of a block's
+    ranges is ``[min lo, max hi)`` over the rows that see a key, the
+    intersection ``[max lo, min hi)`` over all its rows (an empty row empties it)."""
+    batch, padded = bounds.shape[0], num_q_blocks * block_q
+    lo, hi = (jnp.pad(bounds[..., c], ((0, 0), (0, padded - rows))).reshape(batch, num_q_blocks, block_q)
+              for c in (0, 1))
+    real = (jnp.arange(padded) < rows).reshape(num_q_blocks, block_q)  # the last block's padding rows
+    sees = real & (hi > lo)
+    big = jnp.iinfo(jnp.int32).max
+    any_lo = jnp.min(jnp.where(sees, lo, big), axis=-1)
+    any_hi = jnp.max(jnp.where(sees, hi, 0), axis=-1)
+    all_lo = jnp.max(jnp.where(real, lo, 0), axis=-1)
+    all_hi = jnp.min(jnp.where(real, hi, big), axis=-1)
+    some = any_hi > any_lo
+    # A block that sees nothing still names a block near its rows' keys: its
+    # steps stay on a neighbour already in VMEM rather than fetch block 0.
+    first = jnp.where(some, any_lo, jnp.maximum(jnp.min(jnp.where(real, lo, big), axis=-1), 0)) // block_k
+    last = jnp.where(some, (any_hi - 1) // block_k, first - 1)
     full_first = (all_lo + block_k - 1) // block_k
     full_last = jnp.where(all_hi > all_lo, all_hi // block_k - 1, -1)
     return jnp.stack([first, last, full_first, full_last], axis=-1).astype(jnp.int32).reshape(-1)
@@ -154,9 +169,8 @@ def _online_softmax_step(s, v, m_ref, l_ref, acc_ref, *, masked: bool, exp):
     m_ref[...] = m_new
 
 
-def _flash_kernel(table_ref, steps_ref, kv_start_ref, kv_end_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref,
-                  l_ref, acc_ref, *, block_q: int, block_k: int, sq: int, skv: int, causal: bool, window: int,
-                  softcap: float, scale: float, num_q_blocks: int):
+def _flash_kernel(table_ref, steps_ref, q_ref, k_ref, v_ref, bounds_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref, *,
+                  block_q: int, block_k: int, skv: int, softcap: float, scale: float, num_q_blocks: int):
     b, split, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     entry = functools.partial(_table_entry, table_ref, b, q_block, num_q_blocks=num_q_blocks)
     kv_block = _kv_block_of_step(entry, split, step, pl.num_programs(4))
@@ -189,10 +203,7 @@ def _flash_kernel(table_ref, steps_ref, kv_start_ref, kv_end_ref, q_ref, k_ref, 
 
     @pl.when(live & jnp.logical_not(whole))
     def _edge():
-        # Per-row bounds as [block_q, 1] columns: the [block_q, block_k] tile
-        # pays two compares and a select, not the integer arithmetic.
-        lo, hi = _row_key_bounds(b, q_block, kv_start_ref, kv_end_ref, block_q=block_q, sq=sq, skv=skv,
-                                 causal=causal, window=window)
+        lo, hi = _row_key_bounds(bounds_ref)
         keys = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
         s = jnp.where((keys >= lo) & (keys < hi), scores(), -jnp.inf)
         v = v_ref[...]
@@ -241,28 +252,30 @@ def _forward_plan(q, k, v, block_sizes, kv_splits, generation, causal, window):
     batch, _, hkv, sq, skv, _, _, rows, (block_q, block_k) = _shapes_and_blocks(
         blocks_lib.choose_blocks, q, v, block_sizes, causal, window, generation)
     num_q_blocks, num_kv_blocks = cdiv(rows, block_q), cdiv(skv, block_k)
-    kv_steps = _max_kv_steps(num_kv_blocks, block_q=block_q, block_k=block_k, sq=sq, causal=causal, window=window)
-    splits = kv_splits or blocks_lib.choose_kv_splits(batch * hkv, num_q_blocks, kv_steps, generation)
-    return _Plan(rows, block_q, block_k, num_q_blocks, num_kv_blocks, max(1, min(splits, kv_steps)), kv_steps)
+    expected = _expected_kv_steps(num_kv_blocks, block_q=block_q, block_k=block_k, sq=sq, causal=causal,
+                                  window=window)
+    splits = kv_splits or blocks_lib.choose_kv_splits(batch * hkv, num_q_blocks, expected, generation)
+    return _Plan(rows, block_q, block_k, num_q_blocks, num_kv_blocks, max(1, min(splits, expected)))
 
 
-def _max_kv_steps(num_kv_blocks: int, *, block_q: int, block_k: int, sq: int, causal: bool, window: int) -> int:
-    """Static bound on the KV blocks one query block sees: every block, or for
-    a causal sliding window ``span - 1 + window`` keys (``span``: the query
+def _expected_kv_steps(num_kv_blocks: int, *, block_q: int, block_k: int, sq: int, causal: bool,
+                       window: int) -> int:
+    """The KV blocks one query block sees under the rule: every block, or for a
+    causal sliding window ``span - 1 + window`` keys (``span``: the query
     positions of one block, ``block_q`` when blocks do not straddle heads, else
-    ``Sq``). The grid's KV axis is the data's own maximum (``kv_steps``), at
-    most this."""
+    ``Sq``). Only a hint for the KV splits: the grid's KV axis is the data's
+    own maximum (``kv_steps``), whatever ranges the caller gave."""
     if not (causal and window):
         return num_kv_blocks
     span = block_q if sq % block_q == 0 else sq
     return min(num_kv_blocks, cdiv(span - 1 + window, block_k) + 1)  # +1: the span may start mid-block
 
 
-def kv_steps(table, *, max_steps: int, splits: int):
+def kv_steps(table, *, num_kv_blocks: int, splits: int):
     """KV grid steps per split: the most blocks any (batch, query block) sees,
     at least one (the first and last steps initialise and store)."""
     entries = table.reshape(-1, TABLE_COLUMNS)
-    most = jnp.clip(jnp.max(entries[:, LAST] - entries[:, FIRST] + 1), 1, max_steps)
+    most = jnp.clip(jnp.max(entries[:, LAST] - entries[:, FIRST] + 1), 1, num_kv_blocks)
     return (most + splits - 1) // splits
 
 
@@ -274,27 +287,28 @@ class _Plan:
     num_q_blocks: int
     num_kv_blocks: int
     splits: int
-    max_steps: int  # static bound of the KV grid axis (before splitting)
 
 
 def kv_block_plan(kv_start, kv_end, *, rows: int, sq: int, skv: int, causal: bool, window: int,
-                  block_sizes=None, kv_splits=None, head_dim: int = 128, generation=None):
+                  block_sizes=None, kv_splits=None, head_dim: int = 128, generation=None, key_bounds=None):
     """The forward kernel's own visit plan, for tests and benchmarks, per KV
     head: a ``VisitPlan`` of the KV block steps that compute, the K/V block
     fetches (a fetch happens when the clamped block index changes between
     consecutive steps), the grid's steps, and the dense count (every query
-    block against every KV block)."""
+    block against every KV block). The ranges are the rule's on ``kv_start`` /
+    ``kv_end``, or ``key_bounds [B, Sq, 2]`` when given."""
     shape = jax.ShapeDtypeStruct((1, rows // sq, sq, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 1, skv, head_dim), jnp.bfloat16)
     plan = _forward_plan(shape, kv, kv, block_sizes, kv_splits, generation, causal, window)
-    starts, ends = np.asarray(kv_start, np.int32), np.asarray(kv_end, np.int32)
-    table = np.asarray(visit_table(jnp.asarray(starts), jnp.asarray(ends), num_q_blocks=plan.num_q_blocks,
-                                   block_q=plan.block_q, block_k=plan.block_k, rows=rows, sq=sq, skv=skv,
-                                   causal=causal, window=window)).reshape(len(starts), plan.num_q_blocks,
-                                                                          TABLE_COLUMNS)
-    per_split = int(kv_steps(jnp.asarray(table), max_steps=plan.max_steps, splits=plan.splits))
+    if key_bounds is None:
+        key_bounds = rule_key_bounds(kv_start, kv_end, sq=sq, skv=skv, causal=causal, window=window)
+    batch = len(key_bounds)
+    table = np.asarray(visit_table(row_bounds(key_bounds, rows // sq), num_q_blocks=plan.num_q_blocks,
+                                   block_q=plan.block_q, block_k=plan.block_k, rows=rows)).reshape(
+        batch, plan.num_q_blocks, TABLE_COLUMNS)
+    per_split = int(kv_steps(jnp.asarray(table), num_kv_blocks=plan.num_kv_blocks, splits=plan.splits))
     live = fetched = 0
-    for b in range(len(starts)):
+    for b in range(batch):
         previous = None
         for split in range(plan.splits):
             for qb in range(plan.num_q_blocks):
@@ -307,8 +321,8 @@ def kv_block_plan(kv_start, kv_end, *, rows: int, sq: int, skv: int, causal: boo
                     index = min(max(kb, lo), hi)
                     fetched += index != previous
                     previous = index
-    return VisitPlan(live, fetched, len(starts) * plan.num_q_blocks * plan.splits * per_split,
-                     len(starts) * plan.num_q_blocks * plan.num_kv_blocks)
+    return VisitPlan(live, fetched, batch * plan.num_q_blocks * plan.splits * per_split,
+                     batch * plan.num_q_blocks * plan.num_kv_blocks)
 
 
 class VisitPlan(typing.NamedTuple):
@@ -316,14 +330,6 @@ class VisitPlan(typing.NamedTuple):
     fetched: int
     grid_steps: int
     dense: int
-
-
-def _prepare(q, k, v, block_sizes, causal, window, generation):
-    """Backward shapes and blocks."""
-    batch, hq, hkv, sq, skv, d, dv, rows, (block_q, block_k) = _shapes_and_blocks(
-        blocks_lib.choose_backward_blocks, q, v, block_sizes, causal, window, generation)
-    static = dict(block_q=block_q, block_k=block_k, sq=sq, causal=causal, window=window)
-    return batch, hq, hkv, sq, skv, d, dv, rows, static
 
 
 def merge_splits(out_splits, lse_splits):
@@ -341,13 +347,15 @@ def merge_splits(out_splits, lse_splits):
     return out, lse
 
 
-def flash_attention_with_lse(q, k, v, kv_start, kv_end, sinks=None, *, causal: bool = True, window: int = 0,
+def flash_attention_with_lse(q, k, v, key_bounds, sinks=None, *, causal: bool = True, window: int = 0,
                              softcap: float = 0.0, scale: float | None = None, block_sizes=None,
                              kv_splits: int | None = None, generation: str | None = None, interpret=False):
     """``(out [B, Hq, Sq, Dv], lse [B, Hkv, G * Sq, 1])``: the attention and the
     log-sum-exp of each row's softmax, sinks included (what the backward needs).
 
-    ``kv_splits``: split the keys into that many parallel parts whose partial
+    ``key_bounds``: int32 ``[B, Sq, 2]``, the keys ``[lo, hi)`` of each query
+    (``rule_key_bounds``, or a mask's ranges); ``causal`` / ``window`` choose
+    the blocks. ``kv_splits``: split the keys into that many parallel parts whose partial
     softmaxes are merged afterwards (``blocks.choose_kv_splits`` when None)."""
     batch, hq, sq, d = q.shape
     _, hkv, skv, dv = v.shape
@@ -359,10 +367,11 @@ def flash_attention_with_lse(q, k, v, kv_start, kv_end, sinks=None, *, causal: b
             lse = _per_row(sinks.astype(jnp.float32), batch, hkv, hq // hkv, sq)
         return jnp.zeros((batch, hq, sq, dv), q.dtype), lse
     plan = _forward_plan(q, k, v, block_sizes, kv_splits, generation, causal, window)
-    table = visit_table(kv_start, kv_end, num_q_blocks=plan.num_q_blocks, block_q=plan.block_q,
-                        block_k=plan.block_k, rows=rows, sq=sq, skv=skv, causal=causal, window=window)
+    bounds = row_bounds(key_bounds, hq // hkv)
+    table = visit_table(bounds, num_q_blocks=plan.num_q_blocks, block_q=plan.block_q, block_k=plan.block_k,
+                        rows=rows)
     block_q, block_k, splits = plan.block_q, plan.block_k, plan.splits
-    per_split = kv_steps(table, max_steps=plan.max_steps, splits=splits)  # traced: a dynamic grid axis
+    per_split = kv_steps(table, num_kv_blocks=plan.num_kv_blocks, splits=splits)  # traced: a dynamic grid axis
     where = dict(num_q_blocks=plan.num_q_blocks, num_kv_blocks=plan.num_kv_blocks)
 
     def kv_at(b, h, split, qb, step, table_ref, steps_ref, *_):
@@ -373,25 +382,28 @@ def flash_attention_with_lse(q, k, v, kv_start, kv_end, sinks=None, *, causal: b
     def rows_at(b, h, split, qb, step, *_):
         return b, h, qb, 0
 
+    def bounds_at(b, h, split, qb, step, *_):
+        return b, qb, 0
+
     def split_rows_at(b, h, split, qb, step, *_):
         return b, h, split, qb, 0
 
-    kernel = functools.partial(_flash_kernel, block_q=block_q, block_k=block_k, sq=sq, skv=skv, causal=causal,
-                               window=window, softcap=float(softcap), scale=float(scale),
-                               num_q_blocks=plan.num_q_blocks)
+    kernel = functools.partial(_flash_kernel, block_q=block_q, block_k=block_k, skv=skv, softcap=float(softcap),
+                               scale=float(scale), num_q_blocks=plan.num_q_blocks)
     # One split: the final output in q's dtype; several: f32 partials to merge.
     out_dtype = q.dtype if splits == 1 else jnp.float32
-    operands = (q, k, v, kv_start, kv_end)
+    operands = (q, k, v, key_bounds)
     out, lse = pl.pallas_call(
         kernel,
         out_shape=(out_struct((batch, hkv, splits, rows, dv), out_dtype, *operands),
                    out_struct((batch, hkv, splits, rows, 1), jnp.float32, *operands)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
+            num_scalar_prefetch=2,
             grid=(batch, hkv, splits, plan.num_q_blocks, per_split),
             in_specs=[pl.BlockSpec((None, None, block_q, d), rows_at),
                       pl.BlockSpec((None, None, block_k, d), kv_at),
-                      pl.BlockSpec((None, None, block_k, dv), kv_at)],
+                      pl.BlockSpec((None, None, block_k, dv), kv_at),
+                      pl.BlockSpec((None, block_q, 2), bounds_at)],
             out_specs=[pl.BlockSpec((None, None, None, block_q, dv), split_rows_at),
                        pl.BlockSpec((None, None, None, block_q, 1), split_rows_at)],
             scratch_shapes=[pltpu.VMEM((block_q, STAT_LANES), jnp.float32),
@@ -401,8 +413,7 @@ def flash_attention_with_lse(q, k, v, kv_start, kv_end, sinks=None, *, causal: b
         compiler_params=compiler_params(generation, ("parallel",) * 4 + ("arbitrary",)),
         interpret=interpret,
         name="flash_attention_fwd",
-    )(table, per_split.reshape(1), kv_start.astype(jnp.int32), kv_end.astype(jnp.int32),
-      q.reshape(batch, hkv, rows, d), k, v)
+    )(table, per_split.reshape(1), q.reshape(batch, hkv, rows, d), k, v, bounds)
     if splits == 1:
         out, lse = out[:, :, 0], lse[:, :, 0]
     else:
@@ -421,13 +432,13 @@ def _per_row(per_head, batch, hkv, group, sq):
         batch, hkv, group * sq, 1)
 
 
-def flash_attention(q, k, v, kv_start, kv_end, sinks=None, **kwargs):
+def flash_attention(q, k, v, key_bounds, sinks=None, **kwargs):
     """``softmax(mask(cap(scale * q k^T))) v`` per head; see the module docstring.
 
-    ``kv_start``, ``kv_end``: int32 ``[B]``. ``sinks``: ``[Hq]`` logits or None.
+    ``key_bounds``: int32 ``[B, Sq, 2]``. ``sinks``: ``[Hq]`` logits or None.
     Returns ``[B, Hq, Sq, Dv]`` in q's dtype. Inputs are assumed valid.
     """
-    return flash_attention_with_lse(q, k, v, kv_start, kv_end, sinks, **kwargs)[0]
+    return flash_attention_with_lse(q, k, v, key_bounds, sinks, **kwargs)[0]
 
 
 # ----------------------------------------------------------------------------
@@ -435,16 +446,12 @@ def flash_attention(q, k, v, kv_start, kv_end, sinks=None, **kwargs):
 # ----------------------------------------------------------------------------
 
 
-def _row_key_bounds(b, q_block, kv_start_ref, kv_end_ref, *, block_q, sq, skv, causal, window):
+def _row_key_bounds(bounds_ref):
     """``(lo, hi)`` as ``[block_q, 1]`` columns: the keys ``[lo, hi)`` each row of
-    the query block sees (the same rule as ``visit_table``)."""
-    start, end = kv_start_ref[b], kv_end_ref[b]
-    rows = q_block * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
-    pos = end - sq + (_rem(rows, sq) if sq > 1 else 0)
-    hi = jnp.broadcast_to(jnp.minimum(end, skv), rows.shape)
-    hi = jnp.minimum(hi, pos + 1) if causal else hi
-    lo = jnp.maximum(start, pos - window + 1) if window else jnp.broadcast_to(start, rows.shape)
-    return lo, hi
+    the query block sees; the ``[block_q, block_k]`` tile pays two compares and
+    a select."""
+    bounds = bounds_ref[...]
+    return bounds[:, 0:1], bounds[:, 1:2]
 
 
 def _recompute(q, k, lse, *, masked, bounds, kv_block, block_k, softcap, scale):
@@ -484,13 +491,13 @@ def _logit_grads(do, v, delta, p, t):
 
 @dataclasses.dataclass(frozen=True)
 class _QueryWalk:
-    """How the dk/dv kernel walks query blocks for one KV block. ``heads`` x
-    ``steps`` grid steps; per head ``g`` the blocks ``g * blocks_per_head +
-    first + j`` (``first``: the first query block of head 0 that sees the KV
-    block). A causal window with blocks aligned to heads walks only the
-    window's blocks of each head (``relative``); otherwise every block in turn."""
+    """How the dk/dv kernel walks query blocks for one KV block: ``heads`` x
+    ``walk_steps`` grid steps. ``relative`` (a causal window with blocks aligned
+    to heads, where the window is shorter than a head's blocks): per head
+    ``g`` the blocks ``g * blocks_per_head + first + j``, ``first`` the first
+    query block of head 0 that sees the KV block and the step count the data's
+    longest run of such blocks; otherwise every query block in turn."""
     heads: int
-    steps: int
     blocks_per_head: int
     relative: bool
 
@@ -498,29 +505,44 @@ class _QueryWalk:
 def _query_walk(num_q_blocks, *, group, block_q, block_k, sq, causal, window) -> _QueryWalk:
     if causal and window and sq % block_q == 0:
         per_head = sq // block_q
-        # Queries at positions [j, j + window - 1] see key j: a block of keys is
-        # seen by block_k - 1 + window positions, from a block boundary or not.
-        steps = min(per_head, cdiv(block_k - 1 + window, block_q) + 1)
-        if steps < per_head:
-            return _QueryWalk(group, steps, per_head, True)
-    return _QueryWalk(1, num_q_blocks, num_q_blocks, False)
+        # Under the rule, queries at positions [j, j + window - 1] see key j: a
+        # block of keys is seen by block_k - 1 + window positions.
+        if cdiv(block_k - 1 + window, block_q) + 1 < per_head:
+            return _QueryWalk(group, per_head, True)
+    return _QueryWalk(1, num_q_blocks, False)
+
+
+def _walk_plan(table, walk: _QueryWalk, *, num_q_blocks: int, num_kv_blocks: int):
+    """``(q_range, steps)``: per (batch, KV block) the first and last query block
+    that sees it (of head 0 for a relative walk: heads repeat its positions)
+    and the walk's steps per head (traced for a relative walk: the longest such
+    run in the data, so any ranges are walked whole)."""
+    if not walk.relative:
+        return query_block_ranges(table, num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks), num_q_blocks
+    head0 = table.reshape(-1, num_q_blocks, TABLE_COLUMNS)[:, :walk.blocks_per_head].reshape(-1)
+    q_range = query_block_ranges(head0, num_q_blocks=walk.blocks_per_head, num_kv_blocks=num_kv_blocks)
+    runs = q_range.reshape(-1, 2)
+    steps = jnp.clip(jnp.max(runs[:, 1] - runs[:, 0] + 1), 1, walk.blocks_per_head)
+    return q_range, steps
 
 
 def _dkv_query_block(q_range_ref, b, kv_block, head, step, *, num_kv_blocks, walk: _QueryWalk, for_dma: bool):
     """``(q_block, in_walk)`` of a dk/dv grid step. ``for_dma``: the block to
     read, clamped into the range that sees the KV block so that skipped steps
     keep the resident one; else the block the step computes (``in_walk``:
-    a real one, not a step past the end of a head's window walk)."""
+    a real one, not a step past the end of a head's blocks)."""
     first = q_range_ref[2 * (b * num_kv_blocks + kv_block)]
     last = q_range_ref[2 * (b * num_kv_blocks + kv_block) + 1]
+    per_head = walk.blocks_per_head
     if walk.relative:
-        within = first + step  # ``first`` is head 0's: heads see the same positions
-        in_walk = within < walk.blocks_per_head
-        return head * walk.blocks_per_head + jnp.clip(within, 0, walk.blocks_per_head - 1), in_walk
+        within = first + step
+        in_walk = within < per_head
+        top = jnp.clip(last, 0, per_head - 1) if for_dma else per_head - 1
+        return head * per_head + jnp.clip(within, 0, top), in_walk
     if not for_dma:
         return step, True
-    lo = jnp.clip(first, 0, walk.blocks_per_head - 1)
-    return jnp.clip(step, lo, jnp.clip(last, lo, walk.blocks_per_head - 1)), True
+    lo = jnp.clip(first, 0, per_head - 1)
+    return jnp.clip(step, lo, jnp.clip(last, lo, per_head - 1)), True
 
 
 def _tile_kinds(table_ref, b, q_block, kv_block, *, num_q_blocks, whole_q_blocks):
@@ -532,9 +554,8 @@ def _tile_kinds(table_ref, b, q_block, kv_block, *, num_q_blocks, whole_q_blocks
     return live, whole
 
 
-def _dkv_kernel(table_ref, q_range_ref, kv_start_ref, kv_end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref, dk_acc, dv_acc, *, block_q, block_k, sq, rows, skv, causal, window, softcap, scale,
-                num_q_blocks, num_kv_blocks, walk):
+def _dkv_kernel(table_ref, q_range_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dk_ref, dv_ref,
+                dk_acc, dv_acc, *, block_q, block_k, rows, softcap, scale, num_q_blocks, num_kv_blocks, walk):
     b, kv_block, head, step = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     q_block, in_walk = _dkv_query_block(q_range_ref, b, kv_block, head, step, num_kv_blocks=num_kv_blocks, walk=walk,
                                         for_dma=False)
@@ -554,8 +575,7 @@ def _dkv_kernel(table_ref, q_range_ref, kv_start_ref, kv_end_ref, q_ref, k_ref, 
         if masked:
             if rows % block_q:  # padding rows: garbage in q, dO and delta would reach dk through 0 * NaN
                 q, do, delta = (_zero_rows_past(x, q_block * block_q, rows) for x in (q, do, delta))
-            lo, hi = _row_key_bounds(b, q_block, kv_start_ref, kv_end_ref, block_q=block_q, sq=sq, skv=skv,
-                                     causal=causal, window=window)
+            lo, hi = _row_key_bounds(bounds_ref)
             row = q_block * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
             bounds = lo, jnp.where(row < rows, hi, lo)  # padding rows see nothing
         p, t = _recompute(q, k_ref[...], lse_ref[...], masked=masked, bounds=bounds, kv_block=kv_block,
@@ -573,8 +593,8 @@ def _dkv_kernel(table_ref, q_range_ref, kv_start_ref, kv_end_ref, q_ref, k_ref, 
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _dq_kernel(table_ref, kv_start_ref, kv_end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_acc,
-               *, block_q, block_k, sq, rows, skv, causal, window, softcap, scale, num_q_blocks):
+def _dq_kernel(table_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dq_ref, dq_acc, *, block_q,
+               block_k, rows, skv, softcap, scale, num_q_blocks):
     b, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     kv_block = _table_entry(table_ref, b, q_block, FIRST, num_q_blocks) + step  # walks from the first visible
     live, whole = _tile_kinds(table_ref, b, q_block, kv_block, num_q_blocks=num_q_blocks,
@@ -589,8 +609,7 @@ def _dq_kernel(table_ref, kv_start_ref, kv_end_ref, q_ref, k_ref, v_ref, do_ref,
         if masked:
             if skv % block_k:
                 k, v = _zero_rows_past(k, kv_block * block_k, skv), _zero_rows_past(v, kv_block * block_k, skv)
-            bounds = _row_key_bounds(b, q_block, kv_start_ref, kv_end_ref, block_q=block_q, sq=sq, skv=skv,
-                                     causal=causal, window=window)
+            bounds = _row_key_bounds(bounds_ref)
         p, t = _recompute(q_ref[...], k, lse_ref[...], masked=masked, bounds=bounds, kv_block=kv_block,
                           block_k=block_k, softcap=softcap, scale=scale)
         ds = _logit_grads(do_ref[...], v, delta_ref[...], p, t)
@@ -604,18 +623,18 @@ def _dq_kernel(table_ref, kv_start_ref, kv_end_ref, q_ref, k_ref, v_ref, do_ref,
         dq_ref[...] = (dq_acc[...] * scale).astype(dq_ref.dtype)
 
 
-def flash_attention_backward(q, k, v, out, lse, dout, kv_start, kv_end, sinks=None, *, causal: bool = True,
+def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *, causal: bool = True,
                              window: int = 0, softcap: float = 0.0, scale: float | None = None, block_sizes=None,
                              generation: str | None = None, interpret=False):
     """``(dq, dk, dv, d_sinks)`` of ``flash_attention`` (``d_sinks`` is ``[Hq]`` f32,
     zeros without sinks), from its output and the ``lse`` it returned."""
-    batch, hq, hkv, sq, skv, d, dv, rows, static = _prepare(q, k, v, block_sizes, causal, window, generation)
+    batch, hq, hkv, sq, skv, d, dv, rows, (block_q, block_k) = _shapes_and_blocks(
+        blocks_lib.choose_backward_blocks, q, v, block_sizes, causal, window, generation)
     group = hq // hkv
     scale = d ** -0.5 if scale is None else scale
     d_sinks = jnp.zeros((hq,), jnp.float32)
     if 0 in (batch, hq, sq, dv) or skv == 0:
         return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), d_sinks
-    block_q, block_k = static["block_q"], static["block_k"]
     num_q_blocks, num_kv_blocks = cdiv(rows, block_q), cdiv(skv, block_k)
     q_rows, do_rows = q.reshape(batch, hkv, rows, d), dout.reshape(batch, hkv, rows, dv)
     # delta = rowsum(dO * O): the softmax's own term of the logits' gradient.
@@ -624,42 +643,46 @@ def flash_attention_backward(q, k, v, out, lse, dout, kv_start, kv_end, sinks=No
     if sinks is not None:  # d sink_h = -sum over h's rows of p_sink * delta
         p_sink = jnp.exp(_per_row(sinks.astype(jnp.float32), batch, hkv, group, sq) - lse)
         d_sinks = -(p_sink * delta).reshape(batch, hkv, group, sq).sum(axis=(0, 3)).reshape(hq)
-    table = visit_table(kv_start, kv_end, num_q_blocks=num_q_blocks, block_q=block_q, block_k=block_k, rows=rows,
-                        sq=sq, skv=skv, causal=causal, window=window)
-    q_range = query_block_ranges(table, num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks)
-    common = dict(skv=skv, rows=rows, softcap=float(softcap), scale=float(scale), num_q_blocks=num_q_blocks,
-                  block_q=block_q, block_k=block_k, sq=sq, causal=causal, window=window)
-    prefetch = (kv_start.astype(jnp.int32), kv_end.astype(jnp.int32))
+    bounds = row_bounds(key_bounds, group)
+    table = visit_table(bounds, num_q_blocks=num_q_blocks, block_q=block_q, block_k=block_k, rows=rows)
+    common = dict(rows=rows, softcap=float(softcap), scale=float(scale), num_q_blocks=num_q_blocks,
+                  block_q=block_q, block_k=block_k)
+    operands = (q, k, v, dout, key_bounds)
     semantics = ("parallel", "parallel", "parallel", "arbitrary")
-    kv_walk = kv_steps(table, max_steps=_max_kv_steps(num_kv_blocks, block_q=block_q, block_k=block_k, sq=sq,
-                                                      causal=causal, window=window), splits=1)
+    kv_walk = kv_steps(table, num_kv_blocks=num_kv_blocks, splits=1)
 
     # dk, dv: each key block walks the query blocks; those that do not see it
     # keep the resident query-side blocks (no DMA).
     walk = _query_walk(num_q_blocks, group=group, block_q=block_q, block_k=block_k, sq=sq, causal=causal,
                        window=window)
+    q_range, walk_steps = _walk_plan(table, walk, num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks)
 
-    def q_at(b, h, kb, head, step, table_ref, q_range_ref, *_):
+    def q_at(b, h, kb, head, step, table_ref, q_range_ref):
         q_block, _ = _dkv_query_block(q_range_ref, b, kb, head, step, num_kv_blocks=num_kv_blocks, walk=walk,
                                       for_dma=True)
         return b, h, q_block, 0
 
+    def q_bounds_at(*grid_and_refs):
+        b, _, q_block, _ = q_at(*grid_and_refs)
+        return b, q_block, 0
+
     kv_at = lambda b, h, kb, head, step, *_: (b, h, kb, 0)  # noqa: E731
     dk, dv_ = pl.pallas_call(
         functools.partial(_dkv_kernel, num_kv_blocks=num_kv_blocks, walk=walk, **common),
-        out_shape=(out_struct(k.shape, k.dtype, q, k, v, dout), out_struct(v.shape, v.dtype, q, k, v, dout)),
+        out_shape=(out_struct(k.shape, k.dtype, *operands), out_struct(v.shape, v.dtype, *operands)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4, grid=(batch, hkv, num_kv_blocks, walk.heads, walk.steps),
+            num_scalar_prefetch=2, grid=(batch, hkv, num_kv_blocks, walk.heads, walk_steps),
             in_specs=[pl.BlockSpec((None, None, block_q, d), q_at), pl.BlockSpec((None, None, block_k, d), kv_at),
                       pl.BlockSpec((None, None, block_k, dv), kv_at), pl.BlockSpec((None, None, block_q, dv), q_at),
-                      pl.BlockSpec((None, None, block_q, 1), q_at), pl.BlockSpec((None, None, block_q, 1), q_at)],
+                      pl.BlockSpec((None, None, block_q, 1), q_at), pl.BlockSpec((None, None, block_q, 1), q_at),
+                      pl.BlockSpec((None, block_q, 2), q_bounds_at)],
             out_specs=[pl.BlockSpec((None, None, block_k, d), kv_at), pl.BlockSpec((None, None, block_k, dv), kv_at)],
             scratch_shapes=[pltpu.VMEM((block_k, d), jnp.float32), pltpu.VMEM((block_k, dv), jnp.float32)],
         ),
         compiler_params=compiler_params(generation, semantics + ("arbitrary",)),
         interpret=interpret,
         name="flash_attention_bwd_dkv",
-    )(table, q_range, *prefetch, q_rows, k, v, do_rows, lse, delta)
+    )(table, q_range, q_rows, k, v, do_rows, lse, delta, bounds)
 
     # dq: each query block walks the key blocks it sees (skipped ones re-use the resident block).
     where = dict(num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks)
@@ -670,21 +693,22 @@ def flash_attention_backward(q, k, v, out, lse, dout, kv_start, kv_end, sinks=No
 
     row_block = lambda b, h, qb, step, *_: (b, h, qb, 0)  # noqa: E731
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, **common),
-        out_shape=out_struct(q_rows.shape, q.dtype, q, k, v, dout),
+        functools.partial(_dq_kernel, skv=skv, **common),
+        out_shape=out_struct(q_rows.shape, q.dtype, *operands),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3, grid=(batch, hkv, num_q_blocks, kv_walk),
+            num_scalar_prefetch=1, grid=(batch, hkv, num_q_blocks, kv_walk),
             in_specs=[pl.BlockSpec((None, None, block_q, d), row_block),
                       pl.BlockSpec((None, None, block_k, d), kv_index),
                       pl.BlockSpec((None, None, block_k, dv), kv_index),
                       pl.BlockSpec((None, None, block_q, dv), row_block),
                       pl.BlockSpec((None, None, block_q, 1), row_block),
-                      pl.BlockSpec((None, None, block_q, 1), row_block)],
+                      pl.BlockSpec((None, None, block_q, 1), row_block),
+                      pl.BlockSpec((None, block_q, 2), lambda b, h, qb, step, *_: (b, qb, 0))],
             out_specs=pl.BlockSpec((None, None, block_q, d), row_block),
             scratch_shapes=[pltpu.VMEM((block_q, d), jnp.float32)],
         ),
         compiler_params=compiler_params(generation, semantics),
         interpret=interpret,
         name="flash_attention_bwd_dq",
-    )(table, *prefetch, q_rows, k, v, do_rows, lse, delta)
+    )(table, q_rows, k, v, do_rows, lse, delta, bounds)
     return dq.reshape(q.shape), dk, dv_, d_sinks
