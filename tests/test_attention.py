@@ -3,6 +3,7 @@ against a float64 loop, masks and block skipping, the torch op, errors."""
 
 import os
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -157,31 +158,42 @@ def test_visit_table_matches_the_dense_mask(trial):
     rng = np.random.default_rng(SEED + trial)
     b, group, sq, skv = 3, int(rng.integers(1, 4)), int(rng.integers(1, 40)), int(rng.integers(1, 700))
     block_q, block_k = int(rng.choice([8, 16, 24])), int(rng.choice([128, 256]))
+    causal, window = bool(rng.integers(0, 2)), int(rng.choice([0, 1, 50, 300]))
     if trial % 2:
         bounds = _random_ranges(rng, b, sq, skv)
         visible = _ranges_mask(bounds, skv)
     else:
         start = rng.integers(0, skv, b).astype(np.int32)
         end = np.minimum(skv, start + rng.integers(0, skv, b)).astype(np.int32)
-        causal, window = bool(rng.integers(0, 2)), int(rng.choice([0, 1, 50, 300]))
         bounds = pallas_flash.rule_key_bounds(start, end, sq=sq, skv=skv, causal=causal, window=window)
         visible = reference.attention_rule_mask(start, end, sq, skv, causal=causal, window=window)
     rows = group * sq
+    start, end, fits = pallas_flash.rule_fit(jnp.asarray(bounds), sq=sq, skv=skv, causal=causal, window=window)
     table = np.asarray(pallas_flash.visit_table(pallas_flash.row_bounds(bounds, group),
                                                 num_q_blocks=-(-rows // block_q), block_q=block_q, block_k=block_k,
-                                                rows=rows)).reshape(-1, 4)
+                                                rows=rows, fits=jnp.tile(fits, (1, group))))
+    table = table.reshape(b, -1, pallas_flash.TABLE_COLUMNS)
     want = _brute_force_table(visible, rows=rows, skv=skv, block_q=block_q, block_k=block_k)
-    for (first, last, full_first, full_last), (seen, whole) in zip(table, want):
+    # The rule the kernel rebuilds from iotas where a block's RULE entry is set.
+    by_rule = np.concatenate([reference.attention_rule_mask(np.asarray(start), np.asarray(end), sq, skv,
+                                                            causal=causal, window=window)[:, 0]] * group, axis=1)
+    by_row = np.concatenate([visible[:, 0]] * group, axis=1)
+    for (bi, qb), (first, last, full_first, full_last, rule), (seen, whole) in zip(
+            np.ndindex(table.shape[:2]), table.reshape(-1, pallas_flash.TABLE_COLUMNS), want):
         if seen:
             assert (first, last) == (seen[0], seen[-1]), (first, last, seen)
         else:
             assert last < first
         assert list(range(full_first, full_last + 1)) == whole, (full_first, full_last, whole)
+        rows_of_block = slice(qb * block_q, (qb + 1) * block_q)
+        assert rule == np.array_equal(by_rule[bi, rows_of_block], by_row[bi, rows_of_block]), (bi, qb)
+        assert rule or trial % 2  # rule ranges: every block rebuilds its ranges from the rule
 
 
 def _packed_and_right_padded_mask(b, sq, window=0):
     """Batch row 0: three packed documents (6, 9 and the rest of the tokens);
-    row 1: right padding after 7 tokens (padding queries see the real keys).
+    row 1: right padding after 7 tokens (padding queries see the real keys);
+    row 2: the plain rule (its blocks rebuild their ranges from iotas).
     Causal within a document, and a sliding ``window`` when given."""
     mask = np.zeros((b, 1, sq, sq), dtype=bool)
     starts = [0, 6, 15]
@@ -190,6 +202,8 @@ def _packed_and_right_padded_mask(b, sq, window=0):
         mask[0, 0, i, max(doc, i - window + 1 if window else 0):i + 1] = True
         if b > 1:
             mask[1, 0, i, max(0, i - window + 1 if window else 0):min(i, 6) + 1] = True
+        if b > 2:
+            mask[2, 0, i, max(0, i - window + 1 if window else 0):i + 1] = True
     return mask
 
 
@@ -197,15 +211,15 @@ def _packed_and_right_padded_mask(b, sq, window=0):
 def test_packed_sequences_and_right_padding_on_the_pallas_path(block_sizes):
     """Masks that are one key range per query but no rule over a range per batch
     row: packed documents, right padding. Forward and gradients equal float64."""
-    q, k, v, sinks = _inputs((2, 4, 2, 40, 40, 16, 16), torch.float32, seed=16)
+    q, k, v, sinks = _inputs((3, 4, 2, 40, 40, 16, 16), torch.float32, seed=16)
     for window in (0, 5):
-        visible = _packed_and_right_padded_mask(2, 40, window)
+        visible = _packed_and_right_padded_mask(3, 40, window)
         got = attention_tpu.attention(q, k, v, attention_mask=torch.from_numpy(visible), window=window,
                                       sinks=sinks, block_sizes=block_sizes, impl="interpret")
         want = reference.attention(q, k, v, visible, scale=0.25, sinks=sinks.numpy())
         _check(got, want, torch.float32, f"packed/right-padded window={window} blocks={block_sizes}")
     leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
-    mask = torch.from_numpy(_packed_and_right_padded_mask(2, 40))
+    mask = torch.from_numpy(_packed_and_right_padded_mask(3, 40))
     attention_tpu.attention(*leaves[:3], attention_mask=mask, sinks=leaves[3], block_sizes=block_sizes,
                             impl="interpret").square().sum().backward()
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v, sinks)]

@@ -67,9 +67,9 @@ def _rem(a, b):
 
 # Columns of the per-(batch, query block) visit table, derived once per call
 # on the host side of the kernel (XLA) and scalar-prefetched into SMEM.
-FIRST, LAST, FULL_FIRST, FULL_LAST = range(4)
+FIRST, LAST, FULL_FIRST, FULL_LAST, RULE = range(5)
 LOG2_E = 1.4426950408889634
-TABLE_COLUMNS = 4
+TABLE_COLUMNS = 5
 
 
 def rule_key_bounds(kv_start, kv_end, *, sq: int, skv: int, causal: bool, window: int):
@@ -86,19 +86,38 @@ def rule_key_bounds(kv_start, kv_end, *, sq: int, skv: int, causal: bool, window
     return jnp.stack([lo, hi], axis=-1)
 
 
+def rule_fit(key_bounds, *, sq: int, skv: int, causal: bool, window: int):
+    """``(kv_start [B], kv_end [B], fits [B, Sq])``: the smallest rule (a key range
+    per batch row, queries aligned to its end, ``causal`` / ``window``) covering
+    the ranges, and per query whether its range is exactly the rule's (empty
+    ranges are equal whatever their ends). Rows that fit get their range from
+    iotas in the kernel; the others read it (``[block_q, 2]``), which costs a
+    lane broadcast per vreg row of every masked tile."""
+    lo, hi = key_bounds[..., 0], key_bounds[..., 1]
+    sees = hi > lo
+    end = jnp.max(jnp.where(sees, hi, 0), axis=1)
+    start = jnp.where(end > 0, jnp.min(jnp.where(sees, lo, skv), axis=1), 0)
+    rule = rule_key_bounds(start, end, sq=sq, skv=skv, causal=causal, window=window)
+    rule_sees = rule[..., 1] > rule[..., 0]
+    fits = (sees == rule_sees) & (~sees | ((lo == rule[..., 0]) & (hi == rule[..., 1])))
+    return start.astype(jnp.int32), end.astype(jnp.int32), fits
+
+
 def row_bounds(key_bounds, group: int):
     """``[B, Sq, 2]`` ranges per query index -> ``[B, G * Sq, 2]`` per kernel row
     (row ``r`` is query index ``r % Sq``: the G heads of a group share them)."""
     return jnp.tile(jnp.asarray(key_bounds, jnp.int32), (1, group, 1))
 
 
-def visit_table(bounds, *, num_q_blocks: int, block_q: int, block_k: int, rows: int):
-    """int32 ``[B * num_q_blocks * 4]`` from the per-row ranges ``bounds [B, rows,
+def visit_table(bounds, *, num_q_blocks: int, block_q: int, block_k: int, rows: int, fits=None):
+    """int32 ``[B * num_q_blocks * 5]`` from the per-row ranges ``bounds [B, rows,
     2]``: per (batch, query block) the KV blocks ``[FIRST, LAST]`` any of its
-    rows sees (``LAST < FIRST``: none) and the blocks ``[FULL_FIRST,
-    FULL_LAST]`` every row sees whole (no mask needed). The union of a block's
-    ranges is ``[min lo, max hi)`` over the rows that see a key, the
-    intersection ``[max lo, min hi)`` over all its rows (an empty row empties it)."""
+    rows sees (``LAST < FIRST``: none), the blocks ``[FULL_FIRST, FULL_LAST]``
+    every row sees whole (no mask needed), and ``RULE``: 1 when every row's
+    range is the rule's (``fits [B, rows]`` from ``rule_fit``; None: 0). The
+    union of a block's ranges is ``[min lo, max hi)`` over the rows that see a
+    key, the intersection ``[max lo, min hi)`` over all its rows (an empty row
+    empties it)."""
     batch, padded = bounds.shape[0], num_q_blocks * block_q
     lo, hi = (jnp.pad(bounds[..., c], ((0, 0), (0, padded - rows))).reshape(batch, num_q_blocks, block_q)
               for c in (0, 1))
@@ -116,7 +135,23 @@ def visit_table(bounds, *, num_q_blocks: int, block_q: int, block_k: int, rows: 
     last = jnp.where(some, (any_hi - 1) // block_k, first - 1)
     full_first = (all_lo + block_k - 1) // block_k
     full_last = jnp.where(all_hi > all_lo, all_hi // block_k - 1, -1)
-    return jnp.stack([first, last, full_first, full_last], axis=-1).astype(jnp.int32).reshape(-1)
+    if fits is None:
+        by_rule = jnp.zeros_like(first)
+    else:
+        fits = jnp.pad(fits, ((0, 0), (0, padded - rows))).reshape(batch, num_q_blocks, block_q)
+        by_rule = jnp.all(fits | ~real, axis=-1)
+    return jnp.stack([first, last, full_first, full_last, by_rule], axis=-1).astype(jnp.int32).reshape(-1)
+
+
+def _ranges_and_table(key_bounds, group: int, *, sq: int, skv: int, causal: bool, window: int, num_q_blocks: int,
+                      block_q: int, block_k: int):
+    """What every kernel takes: the ranges per row, the rule's ``kv_start`` /
+    ``kv_end`` (scalar-prefetched) and the visit table."""
+    start, end, fits = rule_fit(key_bounds, sq=sq, skv=skv, causal=causal, window=window)
+    bounds = row_bounds(key_bounds, group)
+    table = visit_table(bounds, num_q_blocks=num_q_blocks, block_q=block_q, block_k=block_k, rows=group * sq,
+                        fits=jnp.tile(fits, (1, group)))
+    return bounds, start, end, table
 
 
 def query_block_ranges(table, *, num_q_blocks: int, num_kv_blocks: int):
@@ -169,8 +204,9 @@ def _online_softmax_step(s, v, m_ref, l_ref, acc_ref, *, masked: bool, exp):
     m_ref[...] = m_new
 
 
-def _flash_kernel(table_ref, steps_ref, q_ref, k_ref, v_ref, bounds_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref, *,
-                  block_q: int, block_k: int, skv: int, softcap: float, scale: float, num_q_blocks: int):
+def _flash_kernel(table_ref, steps_ref, start_ref, end_ref, q_ref, k_ref, v_ref, bounds_ref, o_ref, lse_ref, m_ref,
+                  l_ref, acc_ref, *, block_q: int, block_k: int, skv: int, softcap: float, scale: float,
+                  num_q_blocks: int, rule: "_Rule"):
     b, split, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     entry = functools.partial(_table_entry, table_ref, b, q_block, num_q_blocks=num_q_blocks)
     kv_block = _kv_block_of_step(entry, split, step, pl.num_programs(4))
@@ -201,9 +237,7 @@ def _flash_kernel(table_ref, steps_ref, q_ref, k_ref, v_ref, bounds_ref, o_ref, 
     def _interior():  # every row sees every key of the block: no mask at all
         _online_softmax_step(scores(), v_ref[...], m_ref, l_ref, acc_ref, masked=False, exp=exp)
 
-    @pl.when(live & jnp.logical_not(whole))
-    def _edge():
-        lo, hi = _row_key_bounds(bounds_ref)
+    def edge(lo, hi):
         keys = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
         s = jnp.where((keys >= lo) & (keys < hi), scores(), -jnp.inf)
         v = v_ref[...]
@@ -211,6 +245,9 @@ def _flash_kernel(table_ref, steps_ref, q_ref, k_ref, v_ref, bounds_ref, o_ref, 
             key_rows = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
             v = jnp.where(key_rows < skv, v.astype(jnp.float32), 0.0).astype(v.dtype)
         _online_softmax_step(s, v, m_ref, l_ref, acc_ref, masked=True, exp=exp)
+
+    _masked_regions(live & jnp.logical_not(whole), entry(RULE) == 1, edge, rule=rule, start_ref=start_ref,
+                    end_ref=end_ref, bounds_ref=bounds_ref, b=b, q_block=q_block)
 
     @pl.when(step == pl.num_programs(4) - 1)
     def _finish():
@@ -367,9 +404,9 @@ def flash_attention_with_lse(q, k, v, key_bounds, sinks=None, *, causal: bool = 
             lse = _per_row(sinks.astype(jnp.float32), batch, hkv, hq // hkv, sq)
         return jnp.zeros((batch, hq, sq, dv), q.dtype), lse
     plan = _forward_plan(q, k, v, block_sizes, kv_splits, generation, causal, window)
-    bounds = row_bounds(key_bounds, hq // hkv)
-    table = visit_table(bounds, num_q_blocks=plan.num_q_blocks, block_q=plan.block_q, block_k=plan.block_k,
-                        rows=rows)
+    bounds, start, end, table = _ranges_and_table(key_bounds, hq // hkv, sq=sq, skv=skv, causal=causal,
+                                                  window=window, num_q_blocks=plan.num_q_blocks, block_q=plan.block_q,
+                                                  block_k=plan.block_k)
     block_q, block_k, splits = plan.block_q, plan.block_k, plan.splits
     per_split = kv_steps(table, num_kv_blocks=plan.num_kv_blocks, splits=splits)  # traced: a dynamic grid axis
     where = dict(num_q_blocks=plan.num_q_blocks, num_kv_blocks=plan.num_kv_blocks)
@@ -389,7 +426,8 @@ def flash_attention_with_lse(q, k, v, key_bounds, sinks=None, *, causal: bool = 
         return b, h, split, qb, 0
 
     kernel = functools.partial(_flash_kernel, block_q=block_q, block_k=block_k, skv=skv, softcap=float(softcap),
-                               scale=float(scale), num_q_blocks=plan.num_q_blocks)
+                               scale=float(scale), num_q_blocks=plan.num_q_blocks,
+                               rule=_Rule(block_q, sq, skv, causal, window))
     # One split: the final output in q's dtype; several: f32 partials to merge.
     out_dtype = q.dtype if splits == 1 else jnp.float32
     operands = (q, k, v, key_bounds)
@@ -398,7 +436,7 @@ def flash_attention_with_lse(q, k, v, key_bounds, sinks=None, *, causal: bool = 
         out_shape=(out_struct((batch, hkv, splits, rows, dv), out_dtype, *operands),
                    out_struct((batch, hkv, splits, rows, 1), jnp.float32, *operands)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=4,
             grid=(batch, hkv, splits, plan.num_q_blocks, per_split),
             in_specs=[pl.BlockSpec((None, None, block_q, d), rows_at),
                       pl.BlockSpec((None, None, block_k, d), kv_at),
@@ -413,7 +451,7 @@ def flash_attention_with_lse(q, k, v, key_bounds, sinks=None, *, causal: bool = 
         compiler_params=compiler_params(generation, ("parallel",) * 4 + ("arbitrary",)),
         interpret=interpret,
         name="flash_attention_fwd",
-    )(table, per_split.reshape(1), q.reshape(batch, hkv, rows, d), k, v, bounds)
+    )(table, per_split.reshape(1), start, end, q.reshape(batch, hkv, rows, d), k, v, bounds)
     if splits == 1:
         out, lse = out[:, :, 0], lse[:, :, 0]
     else:
@@ -446,18 +484,45 @@ def flash_attention(q, k, v, key_bounds, sinks=None, **kwargs):
 # ----------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """The statics the kernels rebuild a rule row's range from (``rule_fit``)."""
+    block_q: int
+    sq: int
+    skv: int
+    causal: bool
+    window: int
+
+
+def _rule_row_bounds(rule: _Rule, start, end, q_block):
+    """``(lo, hi)`` as ``[block_q, 1]`` columns from the rule (``rule_key_bounds``)
+    on iotas: broadcasting them over a tile costs no cross-lane work."""
+    rows = q_block * rule.block_q + lax.broadcasted_iota(jnp.int32, (rule.block_q, 1), 0)
+    pos = end - rule.sq + (_rem(rows, rule.sq) if rule.sq > 1 else 0)
+    hi = jnp.broadcast_to(jnp.minimum(end, rule.skv), rows.shape)
+    hi = jnp.minimum(hi, pos + 1) if rule.causal else hi
+    lo = jnp.maximum(start, pos - rule.window + 1) if rule.window else jnp.broadcast_to(start, rows.shape)
+    return lo, hi
+
+
 def _row_key_bounds(bounds_ref):
-    """``(lo, hi)`` as ``[block_q, 1]`` columns: the keys ``[lo, hi)`` each row of
-    the query block sees; the ``[block_q, block_k]`` tile pays two compares and
-    a select."""
+    """``(lo, hi)`` as ``[block_q, 1]`` columns read from the block's ranges."""
     bounds = bounds_ref[...]
     return bounds[:, 0:1], bounds[:, 1:2]
 
 
-def _recompute(q, k, lse, *, masked, bounds, kv_block, block_k, softcap, scale):
+def _masked_regions(when, by_rule, body, *, rule: _Rule, start_ref, end_ref, bounds_ref, b, q_block):
+    """``body(lo, hi)`` for a masked tile in two regions: the rows' ranges from
+    the rule's iotas where the visit table says they fit it, else read."""
+    pl.when(when & by_rule)(lambda: body(*_rule_row_bounds(rule, start_ref[b], end_ref[b], q_block)))
+    pl.when(when & jnp.logical_not(by_rule))(lambda: body(*_row_key_bounds(bounds_ref)))
+
+
+def _recompute(q, k, lse, *, bounds, kv_block, block_k, softcap, scale):
     """Probabilities ``p`` of one (query block, key block) tile and ``tanh`` of
-    the capped logits (None without soft-capping). ``masked``: apply ``bounds``
-    (per-row ``(lo, hi)`` columns) and guard rows that saw no key (lse -inf)."""
+    the capped logits (None without soft-capping). ``bounds``: per-row ``(lo,
+    hi)`` columns of a masked tile (rows that saw no key, lse -inf, are
+    guarded), None for a tile every row sees whole."""
     if softcap:
         t = jnp.tanh(dot_f32(q, k, 1, 1) * (scale / softcap))
         x, lse_, exp = softcap * t, lse, jnp.exp
@@ -465,7 +530,7 @@ def _recompute(q, k, lse, *, masked, bounds, kv_block, block_k, softcap, scale):
         # Base 2, log2(e) and the scale on q ([block_q, D]), as in the forward.
         q2 = (q.astype(jnp.float32) * (scale * LOG2_E)).astype(q.dtype)
         x, t, lse_, exp = dot_f32(q2, k, 1, 1), None, lse * LOG2_E, jnp.exp2
-    if not masked:
+    if bounds is None:
         return exp(x - lse_), t
     lo, hi = bounds
     keys = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
@@ -554,8 +619,9 @@ def _tile_kinds(table_ref, b, q_block, kv_block, *, num_q_blocks, whole_q_blocks
     return live, whole
 
 
-def _dkv_kernel(table_ref, q_range_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dk_ref, dv_ref,
-                dk_acc, dv_acc, *, block_q, block_k, rows, softcap, scale, num_q_blocks, num_kv_blocks, walk):
+def _dkv_kernel(table_ref, q_range_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref,
+                dk_ref, dv_ref, dk_acc, dv_acc, *, block_q, block_k, rows, softcap, scale, num_q_blocks, num_kv_blocks,
+                walk, rule):
     b, kv_block, head, step = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     q_block, in_walk = _dkv_query_block(q_range_ref, b, kv_block, head, step, num_kv_blocks=num_kv_blocks, walk=walk,
                                         for_dma=False)
@@ -570,22 +636,24 @@ def _dkv_kernel(table_ref, q_range_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, de
         dk_acc[...] = jnp.zeros_like(dk_acc)
         dv_acc[...] = jnp.zeros_like(dv_acc)
 
-    def accumulate(masked):
-        q, do, delta, bounds = q_ref[...], do_ref[...], delta_ref[...], None
-        if masked:
+    def accumulate(bounds):  # bounds: (lo, hi) columns of a masked tile, None for a whole one
+        q, do, delta = q_ref[...], do_ref[...], delta_ref[...]
+        if bounds is not None:
             if rows % block_q:  # padding rows: garbage in q, dO and delta would reach dk through 0 * NaN
                 q, do, delta = (_zero_rows_past(x, q_block * block_q, rows) for x in (q, do, delta))
-            lo, hi = _row_key_bounds(bounds_ref)
+            lo, hi = bounds
             row = q_block * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
             bounds = lo, jnp.where(row < rows, hi, lo)  # padding rows see nothing
-        p, t = _recompute(q, k_ref[...], lse_ref[...], masked=masked, bounds=bounds, kv_block=kv_block,
-                          block_k=block_k, softcap=softcap, scale=scale)
+        p, t = _recompute(q, k_ref[...], lse_ref[...], bounds=bounds, kv_block=kv_block, block_k=block_k,
+                          softcap=softcap, scale=scale)
         dv_acc[...] += dot_f32(p.astype(do.dtype), do, 0, 0)
         ds = _logit_grads(do, v_ref[...], delta, p, t)
         dk_acc[...] += dot_f32(ds.astype(q.dtype), q, 0, 0)
 
-    pl.when(live & whole)(lambda: accumulate(False))
-    pl.when(live & jnp.logical_not(whole))(lambda: accumulate(True))
+    pl.when(live & whole)(lambda: accumulate(None))
+    _masked_regions(live & jnp.logical_not(whole), _table_entry(table_ref, b, q_block, RULE, num_q_blocks) == 1,
+                    lambda lo, hi: accumulate((lo, hi)), rule=rule, start_ref=start_ref, end_ref=end_ref,
+                    bounds_ref=bounds_ref, b=b, q_block=q_block)
 
     @pl.when(last_step)
     def _store():
@@ -593,8 +661,8 @@ def _dkv_kernel(table_ref, q_range_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, de
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _dq_kernel(table_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dq_ref, dq_acc, *, block_q,
-               block_k, rows, skv, softcap, scale, num_q_blocks):
+def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dq_ref,
+               dq_acc, *, block_q, block_k, rows, skv, softcap, scale, num_q_blocks, rule):
     b, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     kv_block = _table_entry(table_ref, b, q_block, FIRST, num_q_blocks) + step  # walks from the first visible
     live, whole = _tile_kinds(table_ref, b, q_block, kv_block, num_q_blocks=num_q_blocks,
@@ -604,19 +672,19 @@ def _dq_kernel(table_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bound
     def _init():
         dq_acc[...] = jnp.zeros_like(dq_acc)
 
-    def accumulate(masked):
-        k, v, bounds = k_ref[...], v_ref[...], None
-        if masked:
-            if skv % block_k:
-                k, v = _zero_rows_past(k, kv_block * block_k, skv), _zero_rows_past(v, kv_block * block_k, skv)
-            bounds = _row_key_bounds(bounds_ref)
-        p, t = _recompute(q_ref[...], k, lse_ref[...], masked=masked, bounds=bounds, kv_block=kv_block,
-                          block_k=block_k, softcap=softcap, scale=scale)
+    def accumulate(bounds):  # bounds: (lo, hi) columns of a masked tile, None for a whole one
+        k, v = k_ref[...], v_ref[...]
+        if bounds is not None and skv % block_k:
+            k, v = _zero_rows_past(k, kv_block * block_k, skv), _zero_rows_past(v, kv_block * block_k, skv)
+        p, t = _recompute(q_ref[...], k, lse_ref[...], bounds=bounds, kv_block=kv_block, block_k=block_k,
+                          softcap=softcap, scale=scale)
         ds = _logit_grads(do_ref[...], v, delta_ref[...], p, t)
         dq_acc[...] += dot_f32(ds.astype(k.dtype), k, 1, 0)
 
-    pl.when(live & whole)(lambda: accumulate(False))
-    pl.when(live & jnp.logical_not(whole))(lambda: accumulate(True))
+    pl.when(live & whole)(lambda: accumulate(None))
+    _masked_regions(live & jnp.logical_not(whole), _table_entry(table_ref, b, q_block, RULE, num_q_blocks) == 1,
+                    lambda lo, hi: accumulate((lo, hi)), rule=rule, start_ref=start_ref, end_ref=end_ref,
+                    bounds_ref=bounds_ref, b=b, q_block=q_block)
 
     @pl.when(step == pl.num_programs(3) - 1)
     def _store():
@@ -643,10 +711,10 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
     if sinks is not None:  # d sink_h = -sum over h's rows of p_sink * delta
         p_sink = jnp.exp(_per_row(sinks.astype(jnp.float32), batch, hkv, group, sq) - lse)
         d_sinks = -(p_sink * delta).reshape(batch, hkv, group, sq).sum(axis=(0, 3)).reshape(hq)
-    bounds = row_bounds(key_bounds, group)
-    table = visit_table(bounds, num_q_blocks=num_q_blocks, block_q=block_q, block_k=block_k, rows=rows)
+    bounds, start, end, table = _ranges_and_table(key_bounds, group, sq=sq, skv=skv, causal=causal, window=window,
+                                                  num_q_blocks=num_q_blocks, block_q=block_q, block_k=block_k)
     common = dict(rows=rows, softcap=float(softcap), scale=float(scale), num_q_blocks=num_q_blocks,
-                  block_q=block_q, block_k=block_k)
+                  block_q=block_q, block_k=block_k, rule=_Rule(block_q, sq, skv, causal, window))
     operands = (q, k, v, dout, key_bounds)
     semantics = ("parallel", "parallel", "parallel", "arbitrary")
     kv_walk = kv_steps(table, num_kv_blocks=num_kv_blocks, splits=1)
@@ -657,7 +725,7 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
                        window=window)
     q_range, walk_steps = _walk_plan(table, walk, num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks)
 
-    def q_at(b, h, kb, head, step, table_ref, q_range_ref):
+    def q_at(b, h, kb, head, step, table_ref, q_range_ref, *_):
         q_block, _ = _dkv_query_block(q_range_ref, b, kb, head, step, num_kv_blocks=num_kv_blocks, walk=walk,
                                       for_dma=True)
         return b, h, q_block, 0
@@ -671,7 +739,7 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
         functools.partial(_dkv_kernel, num_kv_blocks=num_kv_blocks, walk=walk, **common),
         out_shape=(out_struct(k.shape, k.dtype, *operands), out_struct(v.shape, v.dtype, *operands)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(batch, hkv, num_kv_blocks, walk.heads, walk_steps),
+            num_scalar_prefetch=4, grid=(batch, hkv, num_kv_blocks, walk.heads, walk_steps),
             in_specs=[pl.BlockSpec((None, None, block_q, d), q_at), pl.BlockSpec((None, None, block_k, d), kv_at),
                       pl.BlockSpec((None, None, block_k, dv), kv_at), pl.BlockSpec((None, None, block_q, dv), q_at),
                       pl.BlockSpec((None, None, block_q, 1), q_at), pl.BlockSpec((None, None, block_q, 1), q_at),
@@ -682,7 +750,7 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
         compiler_params=compiler_params(generation, semantics + ("arbitrary",)),
         interpret=interpret,
         name="flash_attention_bwd_dkv",
-    )(table, q_range, q_rows, k, v, do_rows, lse, delta, bounds)
+    )(table, q_range, start, end, q_rows, k, v, do_rows, lse, delta, bounds)
 
     # dq: each query block walks the key blocks it sees (skipped ones re-use the resident block).
     where = dict(num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks)
@@ -696,7 +764,7 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
         functools.partial(_dq_kernel, skv=skv, **common),
         out_shape=out_struct(q_rows.shape, q.dtype, *operands),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(batch, hkv, num_q_blocks, kv_walk),
+            num_scalar_prefetch=3, grid=(batch, hkv, num_q_blocks, kv_walk),
             in_specs=[pl.BlockSpec((None, None, block_q, d), row_block),
                       pl.BlockSpec((None, None, block_k, d), kv_index),
                       pl.BlockSpec((None, None, block_k, dv), kv_index),
@@ -710,5 +778,5 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
         compiler_params=compiler_params(generation, semantics),
         interpret=interpret,
         name="flash_attention_bwd_dq",
-    )(table, q_rows, k, v, do_rows, lse, delta, bounds)
+    )(table, start, end, q_rows, k, v, do_rows, lse, delta, bounds)
     return dq.reshape(q.shape), dk, dv_, d_sinks
