@@ -7,6 +7,7 @@ d_lhs is the forward with the "kn" reading of the same weights, d_rhs the
 transposed grouped matmul.
 """
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -17,7 +18,7 @@ pytest.importorskip("libtpu")
 
 QWEN = dict(hidden=2048, inter=768, experts=128, top_k=8)
 GPT_OSS = dict(hidden=2880, inter=2880, experts=32, top_k=4)
-GENERATIONS = ["v4", "v5e", "v5p", "v6e"]
+GENERATIONS = ["v4", "v5e", "v5p", "v6e", "tpu7x"]
 
 
 def _rule_tiling(generation, m, k, n, g, dtype):
@@ -119,8 +120,9 @@ def test_experts_program_compiles(generation, tokens, case, record_property):
     tm = program.fused_kernel_row_tile(tokens * model["top_k"], abstract[3], abstract[4],
                                        *(abstract[5:7] if model is GPT_OSS else (None, None)), gate, layout,
                                        generation)
-    # Qwen3-30B-A3B's 9.4 MB expert, double-buffered, fits the 24 MiB budget of
-    # v5e/v5p/v6e but not v4's 12 MiB; gpt-oss (biased, interleaved) never fuses.
+    # Qwen3-30B-A3B's 9.4 MB expert, double-buffered, fits the large VMEM budget
+    # of v5e/v5p/v6e (72 / 36 / 72 MiB) but not v4's 12 MiB; gpt-oss (biased,
+    # interleaved) never fuses.
     assert (tm is not None) == (model is QWEN and generation != "v4")
     record_property("fused_row_tile", tm)
     fused = None if path == "rule" else False
@@ -141,9 +143,12 @@ def test_fused_row_tile_rule_on_v6e(tokens):
                                        "glu_silu", "nk", "v6e")
     # Qwen3-30B-A3B experts fit whole in v6e VMEM: the rule picks the fused
     # kernel at every token count. Rows: the 128-row floor of the tiling rule
-    # (8 rows at 1 token: one 16-row tile), and in prefill a smaller tile than
-    # the grouped matmul's (256) so the working set fits.
-    assert tm == {1: 16, 64: 128, 512: 128, 4096: 128}[tokens]
+    # (8 rows at 1 token: one 16-row tile), and in prefill the grouped matmul's
+    # 256 (the large VMEM budget holds it; on v5e the 128-wide MXUs cap it at 128).
+    assert tm == {1: 16, 64: 128, 512: 128, 4096: 256}[tokens]
+    v5e = [aot.abstract_input("v5e")(*shape_dtype) for shape_dtype in _experts_inputs(tokens, QWEN)]
+    assert program.fused_kernel_row_tile(tokens * QWEN["top_k"], v5e[3], v5e[4], None, None, "glu_silu", "nk",
+                                         "v5e") == min(tm, 128)
 
 
 def test_fused_kernel_rule_refuses_gpt_oss_experts():
@@ -182,3 +187,31 @@ def test_fused_experts_program_traces_once_per_shape():
         w = jnp.asarray(r.random((tokens, 2)), jnp.float32)
         fn(x, idx, w, *weights).block_until_ready()
     assert traces == [(3, h), (5, h)]
+
+
+def test_device_kinds_name_their_generation_and_vmem_limits_fit_it():
+    """A v7x chip (device kind "TPU7x") gets its own facts: v6e's 96 MiB large
+    VMEM limit does not compile on its 64 MiB cores. Every generation's limits
+    fit its VMEM, and the large limit compiles (a scratch just under it)."""
+    kinds = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v6 lite": "v6e",
+             "TPU v6e": "v6e", "TPU7x": "tpu7x"}
+    assert {kind: tpu_generations.generation_from_device_kind(kind) for kind in kinds} == kinds
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    from ragged_dot_tpu.common import pallas_helpers
+
+    for name, gen in tpu_generations.GENERATIONS.items():
+        assert gen.vmem_limit <= gen.large_vmem_limit <= gen.vmem_bytes
+        rows = (gen.large_vmem_limit - (2 << 20)) // (4 * 1024)  # a scratch 2 MiB under the limit
+
+        def kernel(x_ref, o_ref, scratch_ref):
+            scratch_ref[...] = jnp.zeros_like(scratch_ref) + x_ref[0:1, :]
+            o_ref[...] = scratch_ref[:8, :]
+
+        def fn(x):
+            return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 1024), jnp.float32),
+                                  scratch_shapes=[pltpu.VMEM((rows, 1024), jnp.float32)],
+                                  compiler_params=pallas_helpers.compiler_params(name, (), large_vmem=True))(x)
+
+        aot.compile_for(name, fn, ((8, 1024), jnp.float32))

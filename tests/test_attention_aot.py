@@ -9,7 +9,7 @@ from attention_tpu.common import aot, tpu_generations
 
 pytest.importorskip("libtpu")
 
-GENERATIONS = ["v4", "v5e", "v5p", "v6e"]
+GENERATIONS = ["v4", "v5e", "v5p", "v6e", "tpu7x"]
 # name: (batch, q heads, kv heads, Sq, Skv, head_dim, window, softcap, sinks)
 CASES = {
     "llama3-8b-prefill-8k": (1, 32, 8, 8192, 8192, 128, 0, 0.0, False),
@@ -47,7 +47,7 @@ BACKWARD_CASES = ["llama3-8b-prefill-8k", "gpt-oss-20b-prefill-sliding", "gemma2
                   "gemma4-global-prefill-4k"]
 
 
-@pytest.mark.parametrize("generation", ["v4", "v5e", "v6e"])
+@pytest.mark.parametrize("generation", ["v4", "v5e", "v6e", "tpu7x"])
 @pytest.mark.parametrize("case", BACKWARD_CASES)
 def test_backward_compiles(generation, case):
     b, hq, hkv, sq, skv, d, window, softcap, sinks = CASES[case]

@@ -188,7 +188,7 @@ def test_fused_glu_experts_kernel(kind):
     _assert_close(got, want, jnp.float32, h, f"fused experts sizes={sizes.tolist()}")
 
 
-@pytest.mark.parametrize("generation", ["v4", "v5e", "v5p", "v6e"])
+@pytest.mark.parametrize("generation", ["v4", "v5e", "v5p", "v6e", "tpu7x"])
 def test_row_tile_rule(generation):
     """tm: the average group size as a power of two, within the generation's
     bounds (a 128-row floor where the TPU estimator measured one), never more

@@ -15,7 +15,7 @@ import jax
 from . import tpu_generations
 
 # Topology names libtpu 0.0.52 accepts for one chip of each generation.
-TOPOLOGIES = {"v4": "v4:1x1x1", "v5e": "v5e:1x1", "v5p": "v5p:1x1x1", "v6e": "v6e:1x1"}
+TOPOLOGIES = {"v4": "v4:1x1x1", "v5e": "v5e:1x1", "v5p": "v5p:1x1x1", "v6e": "v6e:1x1", "tpu7x": "tpu7x:1x1x1"}
 assert set(TOPOLOGIES) == set(tpu_generations.GENERATIONS)
 
 

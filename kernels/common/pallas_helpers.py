@@ -45,10 +45,12 @@ def dot_f32(x, w, contract_x: int, contract_w: int):
     )
 
 
-def compiler_params(generation: str | None, semantics: tuple[str, ...]):
-    """Mosaic parameters: grid semantics and the generation's scoped VMEM limit."""
+def compiler_params(generation: str | None, semantics: tuple[str, ...], *, large_vmem: bool = False):
+    """Mosaic parameters: grid semantics and the generation's scoped VMEM limit
+    (``large_vmem``: the limit of kernels that keep whole weight blocks resident)."""
     gen = tpu_generations.get_generation(generation)
-    return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=gen.vmem_limit)
+    limit = gen.large_vmem_limit if large_vmem else gen.vmem_limit
+    return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=limit)
 
 
 def interpret_params():

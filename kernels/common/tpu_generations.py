@@ -10,15 +10,25 @@ v4         16 MiB         16 MiB                128        2 (megacore)
 v5e        128 MiB        16 MiB                128        1
 v5p        64 MiB         16 MiB                128        2 (megacore)
 v6e        128 MiB        32 MiB                256        1
+tpu7x      64 MiB         (not probed)          256        1 (a chip is two devices)
 =========  =============  ====================  =========  ============
 
 TensorCores per device are the documented chip facts (v4 and v5p pair two
-cores as one "megacore" device; v5e and v6e have one).
+cores as one "megacore" device; v5e and v6e have one). TPU7x (v7x: libtpu's
+topology ``tpu7x:1x1x1``, device kind "TPU7x") shows each of a chip's two
+TensorCores as its own device, 64 MiB of VMEM each (jax's TPU-info table; a
+kernel asking for 100 MiB fails to compile there, 64 MiB compiles); the
+scoped default was not probed because every kernel here sets its own limit.
+Without an entry a v7x chip would get v6e's facts, whose 96 MiB large limit
+does not fit its VMEM.
 
 A kernel whose working set passes the default scoped limit must pass its
 own ``vmem_limit_bytes``. The rule here: every kernel asks for
 ``vmem_limit = min(32 MiB, VMEM)`` and keeps its double-buffered tiles within
 ``vmem_budget = 3/4`` of that, leaving a quarter for Mosaic's own scratch.
+A kernel that keeps a whole weight block resident (the fused experts kernel)
+may ask for ``large_vmem_limit``: 3/4 of VMEM, at most 96 MiB (v5e and v6e:
+96 MiB, v5p 48, v4 stays at 16), with ``large_vmem_budget`` its 3/4.
 
 Pure Python: ``current_generation()`` imports jax only when called.
 """
@@ -29,6 +39,7 @@ import dataclasses
 
 MIB = 1 << 20
 KERNEL_VMEM_LIMIT = 32 * MIB
+LARGE_KERNEL_VMEM_LIMIT = 96 * MIB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +60,15 @@ class TpuGeneration:
         """Bytes a kernel's double-buffered tiles may use."""
         return self.vmem_limit * 3 // 4
 
+    @property
+    def large_vmem_limit(self) -> int:
+        """Scoped VMEM limit of a kernel that keeps whole weight blocks resident."""
+        return max(self.vmem_limit, min(LARGE_KERNEL_VMEM_LIMIT, self.vmem_bytes * 3 // 4))
+
+    @property
+    def large_vmem_budget(self) -> int:
+        return self.large_vmem_limit * 3 // 4
+
 
 GENERATIONS = {
     g.name: g
@@ -57,6 +77,7 @@ GENERATIONS = {
         TpuGeneration("v5e", 128 * MIB, 16 * MIB, 128),
         TpuGeneration("v5p", 64 * MIB, 16 * MIB, 128, tensorcores=2),
         TpuGeneration("v6e", 128 * MIB, 32 * MIB, 256),
+        TpuGeneration("tpu7x", 64 * MIB, 32 * MIB, 256),
     )
 }
 # Used when no TPU is attached (CPU interpret mode, tests) and no generation is named.
@@ -76,6 +97,8 @@ def generation_from_device_kind(kind: str | None) -> str:
     if not kind:
         return DEFAULT_GENERATION
     k = kind.lower().replace(" ", "")
+    if k.startswith("tpu7"):
+        return "tpu7x"
     if "v6" in k:
         return "v6e"
     if "v5lite" in k or "v5e" in k:

@@ -8,10 +8,16 @@ index), so every active expert's weights are read exactly once.
 
 When it is used (``fused_row_tile``): weights in the "nk" layout (``gate_up
 [E, 2I, H]`` with gate then up halves, ``down [E, H, I]``), a named GLU gate,
-and the double-buffered expert plus tiles within the generation's VMEM
-budget. The row tile starts from the grouped matmul's rule (``tiling.py``)
-and is halved, down to the sublane minimum, until the working set fits, so
-prefill keeps the fused kernel too (Qwen3 at 4096 tokens: tm 256 -> 128).
+and the double-buffered expert plus tiles within the generation's large VMEM
+budget (``tpu_generations.large_vmem_budget``: 72 MiB on v5e / v6e). The row
+tile starts from the grouped matmul's rule (``tiling.py``), at most
+``NARROW_MXU_TM_MAX`` on chips with 128-wide MXUs, and is halved, down to the
+sublane minimum, until the working set fits. Why, from the TPU estimator
+(``bench/tpu_estimator.py``, Qwen3-30B-A3B at 4096 tokens, fused kernel alone):
+v6e tm 128 / 256 / 512: 1394 / 1282 / 1262 us (a step pays the whole
+expert's weight push, so longer tiles win); v5e: 3281 / 3403 / 4750 us
+(four 128-wide MXUs: the rows a longer tile computes past a group's end cost
+more than the pushes it saves).
 Qwen3-30B-A3B (I=768, H=2048, bf16: 9.4 MB per expert) fits; gpt-oss-20b
 (I=2880, interleaved) does not and takes the unfused path.
 Row visits and segment masking are the ones of ``pallas_gmm``.
@@ -32,6 +38,9 @@ from ..gmm import pallas_gmm, tiling as tiling_lib
 from .gates import glu_activation
 
 
+NARROW_MXU_TM_MAX = 128
+
+
 def working_set_bytes(tm: int, hidden: int, inter: int, itemsize: int) -> int:
     weights = 3 * inter * hidden * itemsize  # gate + up + down of one expert
     tiles = tm * hidden * itemsize + tm * hidden * itemsize  # x and out
@@ -48,7 +57,10 @@ def fused_row_tile(gate: str, rhs_layout: str, m: int, hidden: int, inter: int, 
         return None
     tm = tiling_lib.choose_tiling(max(m, 1), hidden, 2 * inter, num_experts, lhs_itemsize=itemsize,
                                   rhs_itemsize=itemsize, out_itemsize=4, generation=generation).tm
-    budget = tpu_generations.get_generation(generation).vmem_budget
+    chip = tpu_generations.get_generation(generation)
+    if chip.mxu == 128:
+        tm = min(tm, NARROW_MXU_TM_MAX)
+    budget = chip.large_vmem_budget
     while working_set_bytes(tm, hidden, inter, itemsize) > budget:
         if tm <= min_rows:
             return None
@@ -111,7 +123,7 @@ def fused_glu_experts(x, gate_up, down, group_sizes, *, gate: str, out_dtype=Non
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5, grid=(num_visits,), in_specs=in_specs, out_specs=out_spec,
         ),
-        compiler_params=pallas_helpers.compiler_params(generation, ("arbitrary",)),
+        compiler_params=pallas_helpers.compiler_params(generation, ("arbitrary",), large_vmem=True),
         interpret=interpret,
         name="fused_glu_experts",
     )(seg, tile, seg_starts, seg_ends, weight_group, x, gate_up, gate_up, down)

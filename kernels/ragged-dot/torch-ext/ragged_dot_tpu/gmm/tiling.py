@@ -14,7 +14,8 @@ The rule (used by the forward and both backward kernels):
   vs 1013 us for the up projection), and tied or won everywhere else; above
   128 rows per group the group-sized tile stays best (Mixtral 4096 tokens:
   512). v4 and v5p keep the sublane floor: the estimator has no calibrated
-  figures for those chips.
+  figures for those chips. TPU7x takes v6e's caps (two 256-wide MXUs per
+  core, the same VMEM budget); its estimator constants are not calibrated.
 * ``tk`` covers the whole contraction dim when it fits (``K <= tk_max``): the
   kernel then streams each expert's weights exactly once per output column
   tile, consecutive tiles of one group reuse the weight block already in VMEM,
@@ -52,6 +53,7 @@ TILE_CAPS = {
     "v5e": TileCaps(512, 512, 4096, tm_min=128),
     "v5p": TileCaps(512, 512, 4096),
     "v6e": TileCaps(512, 1024, 4096, tm_min=128),  # 256-wide MXU: output tiles of 256 multiples
+    "tpu7x": TileCaps(512, 1024, 4096, tm_min=128),  # v6e's: the same MXU shape and VMEM budget
 }
 assert set(TILE_CAPS) == set(tpu_generations.GENERATIONS)
 
