@@ -18,7 +18,7 @@ bench:
 	$(ENV) $(PY) bench/bench_ragged_dot.py
 	$(ENV) $(PY) bench/bench_experts.py
 	$(ENV) $(PY) bench/bench_attention.py
-	$(ENV) $(PY) bench/bench_attention_tpu.py
+	$(ENV) $(PY) bench/bench_attention_tpu.py --generations v5e v6e tpu7x
 	$(ENV) $(PY) bench/calibrate_tpu_estimator.py
-	$(ENV) $(PY) bench/bench_tpu_estimates.py
+	$(ENV) $(PY) bench/bench_tpu_estimates.py --chips v5e v6e tpu7x
 	$(ENV) $(PY) bench/bench_expert_parallel.py
