@@ -28,12 +28,18 @@ Llama-3-8B causal prefill 8k                512 x 512   --           5488
                                             512 x 2048  5994         3532
                                             1024 x 1024 6024         3193
                                             1024 x 2048 --           3118
-gpt-oss sliding-128 prefill 8k (D 64)       512 x 512   --           2402
+gpt-oss sliding-128 prefill 8k (D 64)       512 x 512   --           2402 (2148*)
                                             512 x 1024  --           2536
                                             1024 x 512  --           3008
+                                            256 x 256   --           2668*
+                                            512 x 256   --           2659*
+                                            256 x 128   --           3736*
+                                            512 x 128   --           3892*
 ==========================================  ==========  ===========  ===========
 
-(1.00: at the HBM-bound time; --: not measured.) Decode blocks longer than
+(1.00: at the HBM-bound time; --: not measured; *: after the per-query key
+ranges, whose rule blocks skip some integer work: smaller window tiles lose
+to the fixed per-step cost even though they compute fewer masked pairs.) Decode blocks longer than
 4096 gain nothing and waste reads in a partly filled cache (the grid walks
 only the filled part, but its last block is read whole: 2k of 32k keys runs
 at 2.0x the HBM-bound time).
