@@ -327,6 +327,13 @@ def test_tpu_guard_turns_unexpressible_batch_rows_to_nan():
                     reference.attention_rule_mask([0, 2], [9, 8], 9, 9, causal=True, window=3)):
         mask = torch.from_numpy(visible)
         assert torch.equal(masks.poison_where_not_expressible(out, mask, masks.key_bounds(mask)), out)
+    # A float mask holding a bias (here -1e4 in batch row 1) poisons its row on TPU.
+    additive = torch.where(mask, 0.0, torch.finfo(torch.float32).min)
+    additive[1, 0, 0, 8] = -1e4
+    biased = masks.float_mask_bias_rows(additive)
+    assert biased.tolist() == [False, True]
+    guarded = masks.poison_where_not_expressible(out, mask, masks.key_bounds(mask), biased)
+    assert torch.isnan(guarded[1]).all() and torch.equal(guarded[0], out[0])
 
 
 def test_key_bounds_of_padding_static_cache_and_rule():
@@ -338,6 +345,24 @@ def test_key_bounds_of_padding_static_cache_and_rule():
     assert torch.equal(rule, bounds) and torch.equal(masks.bounds_mask(rule, 12), visible)
     nothing = torch.zeros(1, 1, 2, 5, dtype=torch.bool)
     assert masks.key_bounds(nothing).tolist() == [[[0, 0], [0, 0]]]
+    assert masks.key_bounds(torch.zeros(2, 1, 3, 0, dtype=torch.bool)).shape == (2, 3, 2)  # no keys at all
+
+
+def test_ranges_outside_the_keys_are_clipped_not_read():
+    """A direct kernel call with ranges past both ends of the keys computes the
+    clipped ranges: no block index below 0, no unmasked tail rows."""
+    q, k, v, _ = _inputs((1, 2, 1, 4, 200, 16, 16), torch.float32, seed=18)
+    from attention_tpu.common import jax_bridge, pallas_helpers
+
+    wide = np.array([[[-5, 205], [-1, 3], [150, 900], [7, 7]]], np.int32)
+    clipped = np.clip(wide, 0, 200)
+    outs = [np.asarray(pallas_flash.flash_attention(*(jax_bridge.to_jax(t) for t in (q, k, v)), bounds,
+                                                    causal=False, block_sizes=(8, 128),
+                                                    interpret=pallas_helpers.interpret_params()))
+            for bounds in (wide, clipped)]
+    want = reference.attention(q, k, v, _ranges_mask(clipped, 200), scale=0.25)
+    np.testing.assert_allclose(outs[0], want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("sq,skv,causal,window,live_at_most", [
@@ -403,6 +428,8 @@ BAD = [
     ("one dtype", lambda q, k, v: ((q, k.bfloat16(), v), {})),
     ("dtype must be one of", lambda q, k, v: ((q.double(), k.double(), v.double()), {})),
     ("attention_mask must be", lambda q, k, v: ((q, k, v), {"attention_mask": torch.ones(2, 1, 9, 8, dtype=torch.bool)})),
+    ("a float attention_mask must hold 0 .* it holds -10000",
+     lambda q, k, v: ((q, k, v), {"attention_mask": torch.full((2, 1, 9, 9), -1e4).tril()})),
     ("sinks \\(s_aux\\) must be", lambda q, k, v: ((q, k, v), {"sinks": torch.zeros(3)})),
     ("window must be", lambda q, k, v: ((q, k, v), {"window": -1})),
     ("softcap must be", lambda q, k, v: ((q, k, v), {"softcap": float("inf")})),
@@ -498,3 +525,17 @@ def test_torch_compile_fullgraph_native_and_interpret_op():
                            fullgraph=True, dynamic=False)
         torch.testing.assert_close(fn(q, k, v, sinks), attention_tpu.attention(q, k, v, sinks=sinks, window=4),
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_float_mask_biases_poison_their_rows_under_torch_compile():
+    """Under torch.compile the host cannot refuse a biased float mask without a
+    graph break: those batch rows come out NaN, the others exact."""
+    q, k, v, _ = _inputs(SHAPES["mha"], torch.float32, seed=19)
+    visible = torch.from_numpy(reference.attention_rule_mask([0, 0], [9, 9], 9, 9, causal=True, window=0))
+    additive = torch.where(visible, 0.0, torch.finfo(torch.float32).min)
+    additive[1, 0, 3, 0] = -1e4
+    fn = torch.compile(lambda a, b, c, m: attention_tpu.attention(a, b, c, attention_mask=m), fullgraph=True)
+    out = fn(q, k, v, additive)
+    assert torch.isnan(out[1]).all()
+    _check(out[:1], reference.attention(q[:1], k[:1], v[:1], visible[:1].numpy(), scale=0.25), torch.float32,
+           "unbiased row under compile")

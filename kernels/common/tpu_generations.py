@@ -97,7 +97,7 @@ def generation_from_device_kind(kind: str | None) -> str:
     if not kind:
         return DEFAULT_GENERATION
     k = kind.lower().replace(" ", "")
-    if k.startswith("tpu7"):
+    if k.startswith("tpu7") or "v7" in k:  # "TPU7x" (jax), "TPU v7" (other spellings)
         return "tpu7x"
     if "v6" in k:
         return "v6e"

@@ -48,12 +48,37 @@ def rule_mask(kv_start: torch.Tensor, kv_end: torch.Tensor, sq: int, skv: int, *
 
 
 def as_bool_mask(mask: torch.Tensor) -> torch.Tensor:
-    """A boolean mask (True = attend) from a boolean or an additive float mask."""
+    """A boolean mask (True = attend) from a boolean or an additive float mask.
+    A float mask may hold only 0 (attend) and large negative values (masked,
+    at most half the dtype's minimum, as Transformers builds them): other
+    values are biases (ALiBi, a -1e4 padding mask) a boolean mask would drop;
+    ``check_no_bias`` refuses them on the host, and where that would need a
+    host sync (TPU, ``torch.compile``) ``float_mask_bias_rows`` marks the batch
+    rows to poison."""
     if mask.dtype == torch.bool:
         return mask
     if not mask.dtype.is_floating_point:
         raise ValueError(f"{FUNCTION}: attention_mask must be bool or floating point, got {mask.dtype}")
     return mask > torch.finfo(mask.dtype).min / 2
+
+
+def check_no_bias(mask: torch.Tensor) -> None:
+    """ValueError if a float mask holds a value that is neither 0 nor masked."""
+    biased = _biased(mask)
+    if biased.any():
+        raise ValueError(f"{FUNCTION}: a float attention_mask must hold 0 (attend) or a large negative value "
+                         f"(<= {torch.finfo(mask.dtype).min / 2:.3g}, masked); it holds {float(mask[biased][0]):.6g}: "
+                         "biases (ALiBi, a -1e4 padding mask) are not supported; pass a boolean mask")
+
+
+def _biased(mask: torch.Tensor) -> torch.Tensor:
+    return (mask != 0) & (mask > torch.finfo(mask.dtype).min / 2)
+
+
+def float_mask_bias_rows(mask: torch.Tensor) -> torch.Tensor:
+    """Per batch row of a float mask: does it hold a value that is neither 0
+    nor masked (a bias ``as_bool_mask`` cannot keep)?"""
+    return _biased(mask).flatten(1).any(dim=1)
 
 
 def key_bounds(mask: torch.Tensor) -> torch.Tensor:
@@ -62,6 +87,8 @@ def key_bounds(mask: torch.Tensor) -> torch.Tensor:
     mask only where ``check_expressible`` holds."""
     visible = mask[:, 0].to(torch.uint8)  # one byte per entry: argmax finds the first visible key
     skv = visible.shape[-1]
+    if skv == 0:
+        return torch.zeros((*visible.shape[:2], 2), dtype=torch.int32, device=mask.device)
     seen = visible.amax(dim=-1).bool()
     lo = visible.argmax(dim=-1)
     hi = skv - visible.flip(-1).argmax(dim=-1)
@@ -88,10 +115,16 @@ def check_expressible(mask: torch.Tensor, bounds: torch.Tensor) -> None:
         )
 
 
-def poison_where_not_expressible(out: torch.Tensor, mask: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+def poison_where_not_expressible(out: torch.Tensor, mask: torch.Tensor, bounds: torch.Tensor,
+                                 biased_rows: torch.Tensor | None = None) -> torch.Tensor:
     """The device-side guard of the TPU path, where ``check_expressible`` would
     cost a host sync per call: batch rows whose mask the ranges do not
-    reproduce come out as NaN, loudly wrong, never a silently different
-    attention. ``out``: ``[B, Hq, Sq, Dv]``."""
-    differs = _differs(mask, bounds).view(-1, 1, 1, 1)
-    return torch.where(differs, torch.full_like(out, float("nan")), out)
+    reproduce (or, ``biased_rows``, whose float mask held biases) come out as
+    NaN, loudly wrong, never a silently different attention. ``out``:
+    ``[B, Hq, Sq, Dv]``."""
+    return poison_rows(out, _differs(mask, bounds) if biased_rows is None else _differs(mask, bounds) | biased_rows)
+
+
+def poison_rows(out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``out [B, ...]`` with the batch rows where ``rows [B]`` is True set to NaN."""
+    return torch.where(rows.view(-1, *([1] * (out.dim() - 1))), torch.full_like(out, float("nan")), out)

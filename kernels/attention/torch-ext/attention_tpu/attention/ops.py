@@ -163,12 +163,20 @@ def attention(query, key, value, *, attention_mask=None, causal: bool = True, wi
     skv = key.shape[2]
     mask = None if attention_mask is None else masks.as_bool_mask(attention_mask)
     device = query.device.type
+    # A float mask's biases: refused on the host, poisoned rows where that needs a sync.
+    biased = None
+    if mask is not None and attention_mask.dtype != torch.bool:
+        if device == "cpu" and not torch.compiler.is_compiling():
+            masks.check_no_bias(attention_mask)
+        else:
+            biased = masks.float_mask_bias_rows(attention_mask)
     impl = "native" if impl == "auto" and device == "cpu" else impl
     if device == "cpu" and impl == "native":
         if mask is None:
             full = torch.full((b,), skv, dtype=torch.int32)
             mask = masks.rule_mask(torch.zeros_like(full), full, sq, skv, causal=causal, window=window)
-        return cpu_native.attention(query, key, value, mask, softcap=float(softcap), sinks=sinks, scale=float(scale))
+        out = cpu_native.attention(query, key, value, mask, softcap=float(softcap), sinks=sinks, scale=float(scale))
+        return out if biased is None else masks.poison_rows(out, biased)
     if device == "cpu" and impl != "interpret":
         raise ValueError(f"attention: impl must be 'auto' or one of {IMPLS} on CPU, got {impl!r}")
     if device not in ("cpu", "tpu"):
@@ -193,5 +201,6 @@ def attention(query, key, value, *, attention_mask=None, causal: bool = True, wi
         out = TPU_OPS.get(TPU_FLASH_ATTENTION.name)(*TPU_FLASH_ATTENTION.args(params))[0]
         if mask is None:
             return out
-        return masks.poison_where_not_expressible(out, mask, bounds)
-    return host_flash_attention(*FLASH_ATTENTION.args(params))[0]
+        return masks.poison_where_not_expressible(out, mask, bounds, biased)
+    out = host_flash_attention(*FLASH_ATTENTION.args(params))[0]
+    return out if biased is None else masks.poison_rows(out, biased)

@@ -147,6 +147,9 @@ def _ranges_and_table(key_bounds, group: int, *, sq: int, skv: int, causal: bool
                       block_q: int, block_k: int):
     """What every kernel takes: the ranges per row, the rule's ``kv_start`` /
     ``kv_end`` (scalar-prefetched) and the visit table."""
+    # Keys outside [0, Skv) do not exist: clipped, so that no caller's ranges
+    # can reach a block index below 0 or unmasked tail rows.
+    key_bounds = jnp.clip(jnp.asarray(key_bounds, jnp.int32), 0, skv)
     start, end, fits = rule_fit(key_bounds, sq=sq, skv=skv, causal=causal, window=window)
     bounds = row_bounds(key_bounds, group)
     table = visit_table(bounds, num_q_blocks=num_q_blocks, block_q=block_q, block_k=block_k, rows=group * sq,

@@ -41,10 +41,13 @@ from .gates import glu_activation
 NARROW_MXU_TM_MAX = 128
 
 
-def working_set_bytes(tm: int, hidden: int, inter: int, itemsize: int) -> int:
+def working_set_bytes(tm: int, hidden: int, inter: int, itemsize: int, out_itemsize: int = 4) -> int:
+    """Double-buffered expert weights, x and out tiles (the experts program
+    writes f32), and the f32 temporaries: gate and up, y, and the rows kept
+    from the previous visit of the tile."""
     weights = 3 * inter * hidden * itemsize  # gate + up + down of one expert
-    tiles = tm * hidden * itemsize + tm * hidden * itemsize  # x and out
-    return 2 * (weights + tiles) + tm * hidden * 4 + tm * 2 * inter * 4
+    tiles = tm * hidden * itemsize + tm * hidden * out_itemsize  # x and out
+    return 2 * (weights + tiles) + 2 * tm * hidden * 4 + tm * 2 * inter * 4
 
 
 def fused_row_tile(gate: str, rhs_layout: str, m: int, hidden: int, inter: int, num_experts: int,
