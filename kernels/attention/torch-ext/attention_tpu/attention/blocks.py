@@ -37,6 +37,12 @@ gpt-oss sliding-128 prefill 8k (D 64)       512 x 512   --           2402 (2148*
                                             512 x 128   --           3892*
 ==========================================  ==========  ===========  ===========
 
+On tpu7x (2.25x v6e's HBM bandwidth per core) 8192-key decode blocks would
+reach the HBM-bound time on a full 32k cache (batch 8: 296 us, 1.02x, against
+406 us at 4096) but read 44% more on a partly filled one (2k of 32k: 75 vs
+52 us; 3k of 8k: 75 vs 52 us): 4096 is kept on every chip, since a static
+cache is partly filled for most of a generation.
+
 (1.00: at the HBM-bound time; --: not measured; *: after the per-query key
 ranges, whose rule blocks skip some integer work: smaller window tiles lose
 to the fixed per-step cost even though they compute fewer masked pairs.) Decode blocks longer than
