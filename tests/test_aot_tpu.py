@@ -194,7 +194,8 @@ def test_device_kinds_name_their_generation_and_vmem_limits_fit_it():
     VMEM limit does not compile on its 64 MiB cores. Every generation's limits
     fit its VMEM, and the large limit compiles (a scratch just under it)."""
     kinds = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v6 lite": "v6e",
-             "TPU v6e": "v6e", "TPU7x": "tpu7x", "TPU v7": "tpu7x"}
+             "TPU v6e": "v6e", "TPU7x": "tpu7x", "TPU v7": "tpu7x", "TPU v3": "v4",
+             "TPU8i": "tpu7x", "a TPU of the future": "tpu7x"}
     assert {kind: tpu_generations.generation_from_device_kind(kind) for kind in kinds} == kinds
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu

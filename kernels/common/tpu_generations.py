@@ -82,6 +82,10 @@ GENERATIONS = {
 }
 # Used when no TPU is attached (CPU interpret mode, tests) and no generation is named.
 DEFAULT_GENERATION = "v6e"
+# A TPU whose device kind is not known here (a newer chip): the facts of the
+# 256-wide-MXU chip with the least VMEM, whose limits fit any such chip with
+# at least 64 MiB per core (TPU8i: 192 MiB), rather than v6e's 96 MiB limit.
+UNKNOWN_TPU_GENERATION = "tpu7x"
 
 
 def get_generation(name: str | None) -> TpuGeneration:
@@ -93,7 +97,9 @@ def get_generation(name: str | None) -> TpuGeneration:
 
 
 def generation_from_device_kind(kind: str | None) -> str:
-    """Key of a jax ``device_kind`` string ("TPU v5 lite", "TPU v6e", ...)."""
+    """Key of a jax ``device_kind`` string ("TPU v5 lite", "TPU v6e", ...): no
+    kind (no TPU) gives the default; a kind not known here the conservative
+    ``UNKNOWN_TPU_GENERATION`` (v2 / v3, 16 MiB chips with 128-wide MXUs: v4)."""
     if not kind:
         return DEFAULT_GENERATION
     k = kind.lower().replace(" ", "")
@@ -105,9 +111,9 @@ def generation_from_device_kind(kind: str | None) -> str:
         return "v5e"
     if "v5" in k:
         return "v5p"
-    if "v4" in k:
+    if "v4" in k or "v3" in k or "v2" in k:
         return "v4"
-    return DEFAULT_GENERATION
+    return UNKNOWN_TPU_GENERATION
 
 
 def current_generation() -> str:
