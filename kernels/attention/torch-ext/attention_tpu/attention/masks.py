@@ -122,7 +122,8 @@ def poison_where_not_expressible(out: torch.Tensor, mask: torch.Tensor, bounds: 
     reproduce (or, ``biased_rows``, whose float mask held biases) come out as
     NaN, loudly wrong, never a silently different attention. ``out``:
     ``[B, Hq, Sq, Dv]``."""
-    return poison_rows(out, _differs(mask, bounds) if biased_rows is None else _differs(mask, bounds) | biased_rows)
+    differs = _differs(mask, bounds)
+    return poison_rows(out, differs if biased_rows is None else differs | biased_rows)
 
 
 def poison_rows(out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -330,18 +330,17 @@ class _Plan:
 
 
 def kv_block_plan(kv_start, kv_end, *, rows: int, sq: int, skv: int, causal: bool, window: int,
-                  block_sizes=None, kv_splits=None, head_dim: int = 128, generation=None, key_bounds=None):
+                  block_sizes=None, kv_splits=None, head_dim: int = 128, generation=None):
     """The forward kernel's own visit plan, for tests and benchmarks, per KV
     head: a ``VisitPlan`` of the KV block steps that compute, the K/V block
     fetches (a fetch happens when the clamped block index changes between
     consecutive steps), the grid's steps, and the dense count (every query
-    block against every KV block). The ranges are the rule's on ``kv_start`` /
-    ``kv_end``, or ``key_bounds [B, Sq, 2]`` when given."""
+    block against every KV block), for the rule's ranges on ``kv_start`` /
+    ``kv_end``."""
     shape = jax.ShapeDtypeStruct((1, rows // sq, sq, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 1, skv, head_dim), jnp.bfloat16)
     plan = _forward_plan(shape, kv, kv, block_sizes, kv_splits, generation, causal, window)
-    if key_bounds is None:
-        key_bounds = rule_key_bounds(kv_start, kv_end, sq=sq, skv=skv, causal=causal, window=window)
+    key_bounds = rule_key_bounds(kv_start, kv_end, sq=sq, skv=skv, causal=causal, window=window)
     batch = len(key_bounds)
     table = np.asarray(visit_table(row_bounds(key_bounds, rows // sq), num_q_blocks=plan.num_q_blocks,
                                    block_q=plan.block_q, block_k=plan.block_k, rows=rows)).reshape(
