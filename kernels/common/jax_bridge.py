@@ -7,6 +7,8 @@ an error that says what to install.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import threading
 
 import torch
@@ -68,3 +70,24 @@ def to_jax(t: torch.Tensor | None):
 
 def to_torch(a) -> torch.Tensor:
     return torch.from_dlpack(a)
+
+
+@functools.lru_cache(maxsize=None)
+def _interpreted(module: str, name: str, static: tuple):
+    from . import pallas_helpers
+
+    fn = getattr(importlib.import_module(module), name)
+    return import_jax().jit(functools.partial(fn, interpret=pallas_helpers.interpret_params(), **dict(static)))
+
+
+def run_interpreted(caller: str, kernel: tuple[str, str], tensors, static: dict, cpu_alternative: str = ""):
+    """``kernel(*tensors, **static)`` (``kernel``: a module's absolute name and
+    a JAX function in it, imported after jax) jitted in Pallas interpret mode,
+    with poisoned memory, on CPU tensors (None passes as None); torch outputs,
+    a tuple where the kernel returns one. One jit per kernel and statics; one
+    interpreter at a time (``INTERPRET_LOCK``)."""
+    import_jax(caller, cpu_alternative)
+    fn = _interpreted(*kernel, tuple(sorted(static.items())))
+    with INTERPRET_LOCK:
+        out = fn(*(to_jax(t) for t in tensors))
+        return tuple(to_torch(o) for o in out) if isinstance(out, (tuple, list)) else to_torch(out)

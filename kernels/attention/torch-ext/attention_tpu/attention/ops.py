@@ -1,31 +1,30 @@
-"""The attention op: declaration, CPU native / interpret / TPU paths, the public ``attention``.
+"""The attention op: its backends declared once, its routes, the public ``attention``.
+
+Routes (``DISPATCH``, the rule of ``common.dispatch``):
 
 * CPU, ``impl="native"`` (default): ``cpu_native.attention``, plain torch ops
   on the dense mask (any mask), differentiable and ``torch.compile``-able;
-* CPU, ``impl="interpret"``: the Pallas kernel in interpret mode, through a
-  host custom op with a fake kernel (correctness checks of the TPU code);
-* TPU: the Pallas kernel through ``torch_tpu``'s ``jax_op`` (one compile per
-  static shape).
+* CPU, ``impl="interpret"``: the Pallas kernel in interpret mode, through the
+  host custom op with its fake kernel (correctness checks of the TPU code);
+* TPU (``"pallas"``): the Pallas kernel through ``torch_tpu``'s ``jax_op``
+  (one compile per static shape).
 
-The Pallas paths take the mask as one key range per query (``masks``): the
+``FLASH_ATTENTION_OP`` declares both Pallas ops' backends and the backward
+(the dq, dk, dv and sinks' gradient kernels, from the forward's log-sum-exp).
+The Pallas routes take the mask as one key range per query (``masks``): the
 mask's own ranges, or the causal / window rule's without a mask; on the host
 the ranges are checked to reproduce the given mask.
-Both have a backward: the Pallas backward kernels (dq, dk, dv and the sinks'
-gradient), from the forward's log-sum-exp, declared as a second op.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from ..common import jax_bridge, torch_ops
+from ..common import dispatch, jax_bridge, torch_ops
 from ..common.torch_ops import OpDecl
 from . import blocks, cpu_native, masks, validation
 
 FUNCTION = "attention"
-IMPLS = ("native", "interpret")
 
 _STATIC = (("causal", "int"), ("window", "int"), ("softcap", "float"), ("scale", "float"),
            ("block_q", "int"), ("block_k", "int"), ("kv_splits", "int"))
@@ -38,8 +37,6 @@ FLASH_ATTENTION_BWD = OpDecl("flash_attention_bwd", (
     ("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("out", "Tensor"), ("lse", "Tensor"), ("dout", "Tensor"),
     ("key_bounds", "Tensor"), ("sinks", "Tensor?"), *_STATIC,
 ), returns=4)
-TPU_FLASH_ATTENTION = FLASH_ATTENTION.extended("flash_attention_tpu")
-TPU_FLASH_ATTENTION_BWD = FLASH_ATTENTION_BWD.extended("flash_attention_bwd_tpu")
 STATIC_NAMES = tuple(name for name, _ in _STATIC)
 
 
@@ -51,22 +48,11 @@ def _kernel_kwargs(causal, window, softcap, scale, block_q, block_k, kv_splits, 
     return kwargs if backward else dict(kwargs, kv_splits=kv_splits or None)
 
 
-@functools.lru_cache(maxsize=None)
-def _interpreted(kernel: str, **static):
-    jax = jax_bridge.import_jax(FUNCTION, "call attention(..., impl='native') on CPU")
-    from ..common import pallas_helpers
-    from . import pallas_flash
-
-    return jax.jit(functools.partial(getattr(pallas_flash, kernel), interpret=pallas_helpers.interpret_params(),
-                                     **static))
-
-
 def _run_interpreted(kernel, tensors, static):
-    j = jax_bridge.to_jax
     backward = kernel == "flash_attention_backward"
-    with jax_bridge.INTERPRET_LOCK:
-        outs = _interpreted(kernel, **_kernel_kwargs(**static, backward=backward))(*(j(t) for t in tensors))
-        return tuple(jax_bridge.to_torch(o) for o in outs)
+    return jax_bridge.run_interpreted(FUNCTION, (f"{__package__}.pallas_flash", kernel), tensors,
+                                      _kernel_kwargs(**static, backward=backward),
+                                      cpu_alternative="call attention(..., impl='native') on CPU")
 
 
 def _host_flash(q, k, v, key_bounds, sinks, **static):
@@ -88,20 +74,17 @@ def _fake_flash_bwd(q, k, v, out, lse, dout, key_bounds, sinks, **static):
             q.new_empty((q.shape[1],), dtype=torch.float32))
 
 
-def _tpu_flash(q, k, v, key_bounds, sinks, **static):
-    from ..common.tpu_generations import current_generation
+def _tpu_flash(q, k, v, key_bounds, sinks, generation, **static):
     from . import pallas_flash
 
-    return pallas_flash.flash_attention_with_lse(q, k, v, key_bounds, sinks,
-                                                 generation=current_generation(), **_kernel_kwargs(**static))
+    return pallas_flash.flash_attention_with_lse(q, k, v, key_bounds, sinks, generation=generation,
+                                                 **_kernel_kwargs(**static))
 
 
-def _tpu_flash_bwd(q, k, v, out, lse, dout, key_bounds, sinks, **static):
-    from ..common.tpu_generations import current_generation
+def _tpu_flash_bwd(q, k, v, out, lse, dout, key_bounds, sinks, generation, **static):
     from . import pallas_flash
 
-    return pallas_flash.flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks,
-                                                 generation=current_generation(),
+    return pallas_flash.flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks, generation=generation,
                                                  **_kernel_kwargs(**static, backward=True))
 
 
@@ -119,19 +102,15 @@ def _register_autograd(forward_op, forward_decl: OpDecl, backward_op, backward_d
         return forward_decl.grads(q=dq, k=dk, v=dv, sinks=d_sinks if sinks is not None else None)
 
     forward_op.register_autograd(backward, setup_context=setup_context)
-    torch_ops.refuse_double_backward(
-        backward_op, "attention: double backward (a gradient of the attention gradient) is not supported")
 
 
-host_flash_attention, host_flash_attention_bwd = torch_ops.register_host_pair(
-    FLASH_ATTENTION, _host_flash, _fake_flash, FLASH_ATTENTION_BWD, _host_flash_bwd, _fake_flash_bwd,
-    _register_autograd)
-
-TPU_OPS = torch_ops.TpuOpRegistry(FUNCTION)
-TPU_OPS.declare_with_backward(TPU_FLASH_ATTENTION, _tpu_flash, TPU_FLASH_ATTENTION_BWD, _tpu_flash_bwd,
-                              _register_autograd)
-if torch_ops.tpu_available():
-    TPU_OPS.register_all()
+FLASH_ATTENTION_OP = torch_ops.DeclaredOp(torch_ops.OpBackends(
+    FLASH_ATTENTION, host=_host_flash, fake=_fake_flash, tpu=_tpu_flash,
+    backward=torch_ops.OpBackends(FLASH_ATTENTION_BWD, host=_host_flash_bwd, fake=_fake_flash_bwd,
+                                  tpu=_tpu_flash_bwd),
+    autograd=_register_autograd,
+    double_backward_message="attention: double backward (a gradient of the attention gradient) is not supported"))
+TPU_OPS = FLASH_ATTENTION_OP.registry
 
 
 def attention(query, key, value, *, attention_mask=None, causal: bool = True, window: int = 0,
@@ -159,8 +138,6 @@ def attention(query, key, value, *, attention_mask=None, causal: bool = True, wi
                                     scale=scale)
     if kv_splits is not None:
         blocks.check_kv_splits(kv_splits)
-    b, hq, sq, _ = query.shape
-    skv = key.shape[2]
     mask = None if attention_mask is None else masks.as_bool_mask(attention_mask)
     device = query.device.type
     # A float mask's biases: refused on the host, poisoned rows where that needs a sync.
@@ -170,19 +147,27 @@ def attention(query, key, value, *, attention_mask=None, causal: bool = True, wi
             masks.check_no_bias(attention_mask)
         else:
             biased = masks.float_mask_bias_rows(attention_mask)
-    impl = "native" if impl == "auto" and device == "cpu" else impl
-    if device == "cpu" and impl == "native":
-        if mask is None:
-            full = torch.full((b,), skv, dtype=torch.int32)
-            mask = masks.rule_mask(torch.zeros_like(full), full, sq, skv, causal=causal, window=window)
-        out = cpu_native.attention(query, key, value, mask, softcap=float(softcap), sinks=sinks, scale=float(scale))
-        return out if biased is None else masks.poison_rows(out, biased)
-    if device == "cpu" and impl != "interpret":
-        raise ValueError(f"attention: impl must be 'auto' or one of {IMPLS} on CPU, got {impl!r}")
-    if device not in ("cpu", "tpu"):
-        raise ValueError(f"attention: tensors must be on a 'cpu' or 'tpu' device, got {query.device}")
-    if device == "tpu" and impl != "auto":
-        raise ValueError(f"attention: impl={impl!r} is a CPU implementation; use 'auto' on a TPU")
+    call = dispatch.Call.of(query.device, impl, (query, key, value, sinks))
+    return DISPATCH(call, query, key, value, mask, biased, causal=causal, window=window, softcap=float(softcap),
+                    sinks=sinks, scale=float(scale), block_sizes=block_sizes, kv_splits=kv_splits)
+
+
+def _native(query, key, value, mask, biased, *, causal, window, softcap, sinks, scale, block_sizes, kv_splits):
+    """Plain torch ops on the dense mask (any mask), differentiable and compilable."""
+    if mask is None:
+        b, skv = query.shape[0], key.shape[2]
+        full = torch.full((b,), skv, dtype=torch.int32)
+        mask = masks.rule_mask(torch.zeros_like(full), full, query.shape[2], skv, causal=causal, window=window)
+    out = cpu_native.attention(query, key, value, mask, softcap=softcap, sinks=sinks, scale=scale)
+    return out if biased is None else masks.poison_rows(out, biased)
+
+
+def _pallas(query, key, value, mask, biased, *, causal, window, softcap, sinks, scale, block_sizes, kv_splits):
+    """The flash attention op of the tensors' device (TPU, or CPU in interpret
+    mode) on one key range per query."""
+    device = query.device.type
+    b, hq, sq, _ = query.shape
+    skv = key.shape[2]
     if mask is None:
         full = torch.full((b,), skv, dtype=torch.int32, device=query.device)
         bounds = masks.rule_key_bounds(torch.zeros_like(full), full, sq, skv, causal=causal, window=window)
@@ -193,14 +178,18 @@ def attention(query, key, value, *, attention_mask=None, causal: bool = True, wi
     block_q, block_k = block_sizes or (0, 0)
     if block_sizes is not None:
         blocks.check_blocks(block_q, block_k, (hq // key.shape[1]) * sq, skv)
-    params = dict(q=query, k=key, v=value, key_bounds=bounds,
-                  sinks=None if sinks is None else sinks.float(), causal=int(bool(causal)), window=window,
-                  softcap=float(softcap), scale=float(scale), block_q=block_q, block_k=block_k,
-                  kv_splits=kv_splits or 0)
-    if device == "tpu":
-        out = TPU_OPS.get(TPU_FLASH_ATTENTION.name)(*TPU_FLASH_ATTENTION.args(params))[0]
-        if mask is None:
-            return out
+    params = dict(q=query, k=key, v=value, key_bounds=bounds, sinks=None if sinks is None else sinks.float(),
+                  causal=int(bool(causal)), window=window, softcap=softcap, scale=scale, block_q=block_q,
+                  block_k=block_k, kv_splits=kv_splits or 0)
+    out = FLASH_ATTENTION_OP.call(device, params)[0]
+    if device == "tpu" and mask is not None:
+        # No host sync on a TPU: rows the ranges cannot reproduce become NaN.
         return masks.poison_where_not_expressible(out, mask, bounds, biased)
-    out = host_flash_attention(*FLASH_ATTENTION.args(params))[0]
     return out if biased is None else masks.poison_rows(out, biased)
+
+
+DISPATCH = dispatch.Dispatcher(FUNCTION, (
+    dispatch.Route("pallas", "tpu", "pallas", _pallas),
+    dispatch.Route("native", "cpu", "native", _native),
+    dispatch.Route("interpret", "cpu", "interpret", _pallas),
+), defaults={"tpu": "pallas", "cpu": "native"})

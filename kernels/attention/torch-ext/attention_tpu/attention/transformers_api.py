@@ -17,10 +17,10 @@ the kernel and registers ``flash_attn_forward`` (this function) with
 
 from __future__ import annotations
 
+from ..common import transformers_interface
 from . import ops
 
 DEFAULT_NAME = "attention_tpu"
-OWNER_TAG = "_tpu_kernel_hub_attention"
 
 
 def _attention_forward(impl: str):
@@ -36,8 +36,7 @@ def _attention_forward(impl: str):
                             scale=scaling, impl=impl)
         return out.transpose(1, 2).contiguous(), None
 
-    setattr(attention_forward, OWNER_TAG, True)
-    return attention_forward
+    return transformers_interface.mark_ours(attention_forward)
 
 
 attention_forward = _attention_forward("auto")
@@ -49,34 +48,31 @@ flash_attn_forward = attention_forward
 supports_flash_attn = True
 
 
-def _refusal(name, existing) -> str | None:
-    if not isinstance(name, str) or not name.isidentifier():
-        return f"name must be a Python identifier, got {name!r}"
-    lowered = name.lower()
-    if "flash" in lowered or "sdpa" in lowered:
-        return (f"{name!r}: Transformers treats names containing 'flash' as flash attention and refuses 'sdpa' "
-                "names for some models; choose a name with neither")
-    if lowered in ("eager", "paged_attention", "flex_attention"):
-        return f"{name!r} names a built-in Transformers attention implementation"
-    if existing is not None and not getattr(existing, OWNER_TAG, False):
-        return f"{name!r} is already registered to another function"
-    return None
+RESERVED = {
+    "eager": "names a built-in Transformers attention implementation",
+    "paged_attention": "names a built-in Transformers attention implementation",
+    "flex_attention": "names a built-in Transformers attention implementation",
+}
+FORBIDDEN_WORDS = {
+    "flash": "Transformers treats names containing 'flash' as flash attention; choose another name",
+    "sdpa": "Transformers refuses 'sdpa' names for some models; choose another name",
+}
 
 
 def register(name: str = DEFAULT_NAME, *, override: bool = False, interpret: bool = False) -> str:
     """Register ``attention_forward`` and its mask builder as ``name``; returns the
     name for ``from_pretrained(..., attn_implementation=name)``. ``interpret=True``
-    registers the Pallas kernel in interpret mode (CPU correctness checks)."""
+    registers the Pallas kernel in interpret mode (CPU correctness checks).
+    Refused (ValueError) unless ``override=True``: the rules of
+    ``common.transformers_interface``."""
     try:
         from transformers import AttentionInterface, AttentionMaskInterface
         from transformers.masking_utils import sdpa_mask
     except ImportError as e:
         raise ImportError("register() needs Transformers with AttentionInterface and AttentionMaskInterface "
-                          "(checked with 5.22.2): `pip install -U transformers`") from e
-    existing = AttentionInterface._global_mapping.get(name) if isinstance(name, str) else None
-    problem = _refusal(name, existing)
-    if problem and not (override and isinstance(name, str) and name):
-        raise ValueError(f"register: {problem}. Pick another name, or pass override=True.")
-    AttentionInterface.register(name, attention_forward_interpret if interpret else attention_forward)
+                          "(checked with 5.22.2 and 5.25.0): `pip install -U transformers`") from e
+    function = attention_forward_interpret if interpret else attention_forward
+    transformers_interface.register_function(AttentionInterface, name, function, override=override,
+                                             reserved=RESERVED, forbidden_words=FORBIDDEN_WORDS)
     AttentionMaskInterface.register(name, sdpa_mask)
     return name

@@ -41,19 +41,14 @@ import functools
 
 import torch
 
-from ..common import jax_bridge, torch_ops, validation
-from ..gmm.ops import needs_grad
-from . import module_layout
-from .forward import EXPERTS_PROGRAM
+from ..common import dispatch, jax_bridge, torch_ops, validation
+from . import forward, module_layout
 from .validation import check_experts_args
 
 FUNCTION = "expert_parallel_experts_forward"
-TOKEN_MODES = ("replicated", "sharded")  # expert_parallel.TOKEN_MODES, without importing jax
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 # The parameters of the single-device program, under this op's name.
-PROGRAM = dataclasses.replace(EXPERTS_PROGRAM, name="expert_parallel_experts_forward_tpu")
-
-_TPU_OPS: dict[tuple, object] = {}
+PROGRAM = dataclasses.replace(forward.EXPERTS_PROGRAM, name="expert_parallel_experts_forward_tpu")
 
 
 def _fail(message: str, error: type[Exception] = ValueError):
@@ -65,6 +60,8 @@ def _check_mesh(mesh, axis: str, tokens: str):
     if not isinstance(mesh, jax.sharding.Mesh):
         _fail(f"mesh must be a jax.sharding.Mesh (on TPU torch.tpu.pallas.get_pallas_mesh(({axis!r},)), on CPU "
               f"jax.make_mesh over JAX CPU devices), got {type(mesh).__name__}", TypeError)
+    from .expert_parallel import TOKEN_MODES
+
     if axis not in mesh.axis_names:
         _fail(f"axis {axis!r} is not an axis of mesh (axes {tuple(mesh.axis_names)})")
     if tokens not in TOKEN_MODES:
@@ -83,10 +80,7 @@ def _program_args(module):
 def program_params(module, hidden_states, top_k_index, top_k_weights) -> dict:
     """``{parameter of PROGRAM: value}`` for ``module`` and the routed tokens
     (checked by ``expert_parallel_experts_forward`` first)."""
-    up, down, up_bias, down_bias, gate, alpha, limit, layout = _program_args(module)
-    return dict(hidden_states=hidden_states, top_k_index=top_k_index.to(torch.int32),
-                top_k_weights=top_k_weights.to(hidden_states.dtype), up_weight=up, down_weight=down,
-                up_bias=up_bias, down_bias=down_bias, gate=gate, alpha=alpha, limit=limit, rhs_layout=layout)
+    return forward.program_params(_program_args(module), hidden_states, top_k_index.to(torch.int32), top_k_weights)
 
 
 def _is_dtensor(t) -> bool:
@@ -121,7 +115,7 @@ def _check_arguments(module, hidden_states, top_k_index, top_k_weights, world: i
             _fail(f"{name} is a DTensor (Transformers' expert-parallel sharding splits dim 0 so): pass a module "
                   "holding plain tensors, this process's experts (on TPU its local shard, .to_local())", TypeError)
     validation.check_one_device(FUNCTION, hidden_states=hidden_states, **weights)
-    if needs_grad(hidden_states, top_k_weights, *weights.values()):
+    if dispatch.needs_grad(hidden_states, top_k_weights, *weights.values()):
         _fail("inference only (the SPMD program has no autograd formula): call it under torch.no_grad() or "
               "torch.inference_mode()", RuntimeError)
     if device_type == "cpu":  # this process holds every shard: whole arrays
@@ -169,41 +163,39 @@ def _tpu_program(*, mesh, axis, tokens, generation, hidden_states, top_k_index, 
 
 
 def tpu_op(mesh, axis: str, tokens: str):
-    """The ``jax_op`` running ``expert_parallel_forward`` over ``mesh`` (built
-    once per mesh, axis and token mode): parameters of ``PROGRAM``, each
-    tensor this rank's shard (``input_partition_specs`` from
-    ``expert_parallel.partition_specs``), output this rank's rows."""
-    key = (mesh, axis, tokens)
-    if key not in _TPU_OPS:
-        jax_bridge.import_jax(FUNCTION)
-        jax_bridge.import_torch_tpu(FUNCTION)
-        from jax.sharding import PartitionSpec
+    """The ``jax_op`` running ``expert_parallel_forward`` over ``mesh`` (one
+    per mesh, axis and token mode, in the package's ``TPU_OPS``): parameters
+    of ``PROGRAM``, each tensor this rank's shard (``input_partition_specs``
+    from ``expert_parallel.partition_specs``), output this rank's rows."""
+    jax_bridge.import_jax(FUNCTION)
+    from jax.sharding import PartitionSpec
 
-        from . import expert_parallel
+    from . import expert_parallel
 
-        in_specs, out_spec = expert_parallel.partition_specs(axis, tokens, with_biases=True)
-        # One spec per parameter: torch_tpu pairs them with the arguments
-        # positionally (static ones and absent biases ignore theirs).
-        in_specs = tuple(in_specs) + (PartitionSpec(),) * (len(PROGRAM.params) - len(in_specs))
-        decl = dataclasses.replace(PROGRAM, name=f"{PROGRAM.name}_{tokens}_{len(_TPU_OPS)}")
-        impl = functools.partial(_tpu_program, mesh=mesh, axis=axis, tokens=tokens,
-                                 generation=_mesh_generation(mesh))
-        _TPU_OPS[key] = torch_ops.make_tpu_op(decl, impl, mesh=mesh, input_partition_specs=in_specs,
-                                              output_partition_specs=[out_spec])
-    return _TPU_OPS[key]
+    in_specs, out_spec = expert_parallel.partition_specs(axis, tokens, with_biases=True)
+    # One spec per parameter: torch_tpu pairs them with the arguments
+    # positionally (static ones and absent biases ignore theirs).
+    in_specs = tuple(in_specs) + (PartitionSpec(),) * (len(PROGRAM.params) - len(in_specs))
+    impl = functools.partial(_tpu_program, mesh=mesh, axis=axis, tokens=tokens)
+    return torch_ops.TPU_OPS.variant(PROGRAM, mesh, (axis, tokens), impl, lambda: _mesh_generation(mesh),
+                                     mesh=mesh, input_partition_specs=in_specs,
+                                     output_partition_specs=[out_spec])
 
 
-@functools.lru_cache(maxsize=None)
-def _cpu_program(mesh, axis: str, tokens: str, gate: str, alpha: float, limit: float, rhs_layout: str):
+@functools.cache
+def _cpu_program():
+    """The SPMD program for meshes of JAX CPU devices, Pallas in interpret
+    mode. The mesh and the gate are static arguments: jax's own jit cache
+    (bounded) holds each compiled mesh, not a cache of ours."""
     jax = jax_bridge.import_jax(FUNCTION)
     from ..common import pallas_helpers
     from . import expert_parallel
 
     # check_vma=False: the Pallas interpreters fail jax's vma checks inside
     # shard_map (tests/shard_map_check.py); the TPU op keeps the default.
-    return jax.jit(functools.partial(
-        expert_parallel.expert_parallel_forward, mesh=mesh, axis=axis, tokens=tokens, check_vma=False, gate=gate,
-        alpha=alpha, limit=limit, rhs_layout=rhs_layout, interpret=pallas_helpers.interpret_params()))
+    return jax.jit(functools.partial(expert_parallel.expert_parallel_forward, check_vma=False,
+                                     interpret=pallas_helpers.interpret_params()),
+                   static_argnames=("mesh", "axis", "tokens", "gate", "alpha", "limit", "rhs_layout"))
 
 
 def cpu_devices_forward(params: dict, *, mesh, axis: str, tokens: str) -> torch.Tensor:
@@ -220,9 +212,9 @@ def cpu_devices_forward(params: dict, *, mesh, axis: str, tokens: str) -> torch.
     names = ("hidden_states", "top_k_index", "top_k_weights", "up_weight", "down_weight")
     names += ("up_bias", "down_bias") if with_biases else ()
     arrays = [jax.device_put(jax_bridge.to_jax(params[n]), NamedSharding(mesh, s)) for n, s in zip(names, in_specs)]
-    fn = _cpu_program(mesh, axis, tokens, params["gate"], params["alpha"], params["limit"], params["rhs_layout"])
+    statics = {name: params[name] for name in forward.STATIC_PARAMS}
     with jax_bridge.INTERPRET_LOCK:
-        out = fn(*arrays)
+        out = _cpu_program()(*arrays, mesh=mesh, axis=axis, tokens=tokens, **statics)
         # One device's copy of the whole [T, H] (gathered when tokens are sharded).
         out = jax.device_put(out, mesh.devices.flat[0]).block_until_ready()
     return jax_bridge.to_torch(out)

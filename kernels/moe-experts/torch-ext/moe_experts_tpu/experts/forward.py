@@ -1,9 +1,10 @@
-"""``experts_forward``: the Transformers experts implementation, and which path runs.
+"""``experts_forward``: the Transformers experts implementation, and its routes.
 
 ``experts_forward(module, hidden_states [T, H], top_k_index [T, K],
 top_k_weights [T, K])`` follows the contract of Transformers'
 ``@use_experts_implementation`` (``module_layout`` reads the layout flags).
-Three implementations of the same math, picked by ``choose_path``:
+Four implementations of the same math, routed by ``DISPATCH`` (the rule of
+``common.dispatch``; ``choose_path`` names the route a call takes):
 
 * ``"tpu_program"``: TPU inference, the whole layer as one ``jax_op``
   (``program.experts_forward``: routing, fused or two grouped matmuls, gate,
@@ -11,21 +12,23 @@ Three implementations of the same math, picked by ``choose_path``:
 * ``"cpu_chunked"``: CPU eager inference (``cpu_path.cpu_inference_forward``);
 * ``"composed"``: gradients, ``torch.compile``, and TPU layers the program
   cannot express: the module's own code between ``ragged_dot`` ops (autograd,
-  fake kernels), with a one-time warning on TPU.
+  fake kernels), with a one-time warning naming what the program refused;
+* ``"interpret_program"`` (``fused_experts_forward_interpret``): the TPU
+  program on CPU in Pallas interpret mode.
 """
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-from ..common import torch_ops
+from ..common import dispatch, jax_bridge, torch_ops, transformers_interface
 from ..common.torch_ops import OpDecl
-from ..gmm.ops import needs_grad, ragged_dot
+from ..gmm.ops import ragged_dot
 from . import cpu_path, module_layout, routing, validation
 
-EXPERTS_PROGRAM = OpDecl("experts_forward_tpu", (
+FUNCTION = "experts_forward"
+# The routed tokens, then module_layout.ProgramArgs by name.
+EXPERTS_PROGRAM = OpDecl(FUNCTION, (
     ("hidden_states", "Tensor"), ("top_k_index", "Tensor"), ("top_k_weights", "Tensor"),
     ("up_weight", "Tensor"), ("down_weight", "Tensor"), ("up_bias", "Tensor?"), ("down_bias", "Tensor?"),
     ("gate", "str"), ("alpha", "float"), ("limit", "float"), ("rhs_layout", "str"),
@@ -33,64 +36,95 @@ EXPERTS_PROGRAM = OpDecl("experts_forward_tpu", (
 
 
 def _tpu_program(hidden_states, top_k_index, top_k_weights, up_weight, down_weight, up_bias, down_bias,
-                 gate, alpha, limit, rhs_layout):
-    from ..common.tpu_generations import current_generation
+                 gate, alpha, limit, rhs_layout, generation):
     from . import program
 
     return program.experts_forward(
         hidden_states, top_k_index, top_k_weights, up_weight, down_weight, up_bias, down_bias,
-        gate=gate, alpha=alpha, limit=limit, rhs_layout=rhs_layout, generation=current_generation())
+        gate=gate, alpha=alpha, limit=limit, rhs_layout=rhs_layout, generation=generation)
 
 
-TPU_OPS = torch_ops.TpuOpRegistry("experts_forward")
-TPU_OPS.declare(EXPERTS_PROGRAM, _tpu_program)
-if torch_ops.tpu_available():
-    TPU_OPS.register_all()
-
-_WARNED_FALLBACK: set[str] = set()
+# A TPU op only: on CPU the program runs in interpret mode without an op (no autograd, no fake needed).
+EXPERTS_PROGRAM_OP = torch_ops.DeclaredOp(torch_ops.OpBackends(EXPERTS_PROGRAM, tpu=_tpu_program))
+TPU_OPS = EXPERTS_PROGRAM_OP.registry
 
 
-def choose_path(module, device_type: str, grad: bool, compiling: bool):
-    """``(path, program_args)``: see the module docstring; ``program_args`` are
-    ``module_layout.program_args`` for the TPU program, else None."""
-    if device_type == "tpu" and not grad:
-        try:
-            return "tpu_program", module_layout.program_args(module)
-        except NotImplementedError as e:
-            key = type(module).__qualname__
-            if key not in _WARNED_FALLBACK:
-                _WARNED_FALLBACK.add(key)
-                warnings.warn(f"{e}; running the module's own code between grouped matmul ops instead",
-                              stacklevel=3)
-            return "composed", None
-    if device_type == "cpu" and not grad and not compiling:
-        return "cpu_chunked", None
-    return "composed", None
+def program_params(args: module_layout.ProgramArgs, hidden_states, top_k_index, top_k_weights) -> dict:
+    """``{parameter of EXPERTS_PROGRAM: value}``: the routed tokens and the module's ``args``."""
+    return dict(hidden_states=hidden_states, top_k_index=top_k_index,
+                top_k_weights=top_k_weights.to(hidden_states.dtype), **args._asdict())
+
+
+def _run_tpu_program(module, hidden_states, top_k_index, top_k_weights, *, accepted):
+    return EXPERTS_PROGRAM_OP.call("tpu", program_params(accepted, hidden_states, top_k_index, top_k_weights))
+
+
+def _run_interpret_program(module, hidden_states, top_k_index, top_k_weights, *, accepted):
+    params = program_params(accepted, hidden_states, top_k_index, top_k_weights)
+    tensors = [params.pop(name) for name in EXPERTS_PROGRAM.names if name not in STATIC_PARAMS]
+    return jax_bridge.run_interpreted(FUNCTION, (f"{__package__}.program", "experts_forward"), tensors, params)
+
+
+def _run_cpu_chunked(module, hidden_states, top_k_index, top_k_weights):
+    return cpu_path.cpu_inference_forward(module, hidden_states, top_k_index, top_k_weights)
+
+
+def _run_composed(module, hidden_states, top_k_index, top_k_weights):
+    return composed_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+
+
+def _program_args(module, *tokens):
+    return module_layout.program_args(module)
+
+
+STATIC_PARAMS = ("gate", "alpha", "limit", "rhs_layout")
+COMPOSED = "running the module's own code between grouped matmul ops"
+DISPATCH = dispatch.Dispatcher(FUNCTION, (
+    # TPU inference: the whole layer as one jax_op (static shapes, one compile per token count).
+    dispatch.Route("tpu_program", "tpu", "pallas", _run_tpu_program, when=dispatch.NO_GRAD, accepts=_program_args),
+    # Gradients, and layers the program cannot express: ragged_dot ops with autograd and fake kernels.
+    dispatch.Route("composed", "tpu", "pallas", _run_composed, description=COMPOSED),
+    dispatch.Route("cpu_chunked", "cpu", "native", _run_cpu_chunked, when=dispatch.EAGER),
+    dispatch.Route("composed", "cpu", "native", _run_composed, description=COMPOSED),
+    # The TPU program on CPU, Pallas in interpret mode (a correctness check, not fast).
+    dispatch.Route("interpret_program", "cpu", "interpret", _run_interpret_program, when=dispatch.NO_GRAD,
+                   accepts=_program_args),
+), defaults={"tpu": "pallas", "cpu": "native"})
+# Reasons a fallback has been warned about (once each per process).
+_WARNED_FALLBACK = DISPATCH.warned
+
+
+def choose_path(module, device_type: str, grad: bool, compiling: bool, impl: str = dispatch.AUTO):
+    """``(route name, ProgramArgs or None)`` the dispatcher picks (see ``DISPATCH``)."""
+    resolved = DISPATCH.resolve(dispatch.Call(device_type, impl, grad, compiling), module)
+    return resolved.name, resolved.accepted
+
+
+def _experts_call(module, hidden_states, top_k_index, top_k_weights, impl: str):
+    module_layout.check_module(module)
+    compiling = torch.compiler.is_compiling()
+    validation.check_experts_args(hidden_states, top_k_index, top_k_weights, module.num_experts,
+                                  module_layout.hidden_size(module),
+                                  check_values=hidden_states.device.type == "cpu" and not compiling)
+    call = dispatch.Call.of(hidden_states.device, impl, (hidden_states, top_k_weights, *module.parameters()))
+    return DISPATCH(call, module, hidden_states, top_k_index, top_k_weights)
 
 
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    """Transformers experts function; ``choose_path`` says which implementation runs."""
-    module_layout.check_module(self)
-    compiling = torch.compiler.is_compiling()
-    validation.check_experts_args(hidden_states, top_k_index, top_k_weights, self.num_experts,
-                                  module_layout.hidden_size(self),
-                                  check_values=hidden_states.device.type == "cpu" and not compiling)
-    grad = needs_grad(hidden_states, top_k_weights, *self.parameters())
-    path, program_args = choose_path(self, hidden_states.device.type, grad, compiling)
-    if path == "tpu_program":
-        up, down, up_bias, down_bias, gate, alpha, limit, layout = program_args
-        params = dict(hidden_states=hidden_states, top_k_index=top_k_index,
-                      top_k_weights=top_k_weights.to(hidden_states.dtype), up_weight=up, down_weight=down,
-                      up_bias=up_bias, down_bias=down_bias, gate=gate, alpha=alpha, limit=limit,
-                      rhs_layout=layout)
-        return TPU_OPS.get(EXPERTS_PROGRAM.name)(*EXPERTS_PROGRAM.args(params))
-    if path == "cpu_chunked":
-        return cpu_path.cpu_inference_forward(self, hidden_states, top_k_index, top_k_weights)
-    return composed_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    """Transformers experts function (``@use_experts_implementation``'s
+    contract): ``DISPATCH`` says which implementation runs."""
+    return _experts_call(self, hidden_states, top_k_index, top_k_weights, dispatch.AUTO)
 
 
-# register() may replace a function carrying this tag (see registration.py).
-experts_forward._tpu_kernel_hub_experts = True
+def fused_experts_forward_interpret(self, hidden_states, top_k_index, top_k_weights):
+    """The JAX program of the TPU path, run on CPU in Pallas interpret mode (a
+    correctness check, not fast; inference only)."""
+    return _experts_call(self, hidden_states, top_k_index, top_k_weights, "interpret")
+
+
+# register() may replace a function carrying this tag (see common/transformers_interface.py).
+transformers_interface.mark_ours(experts_forward)
+transformers_interface.mark_ours(fused_experts_forward_interpret)
 
 
 def composed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -118,20 +152,3 @@ def composed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     combined = torch.zeros(num_tokens * top_k, hidden, dtype=out.dtype, device=out.device)
     combined = combined.index_copy(0, order, out)
     return combined.view(num_tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
-
-
-def fused_experts_forward_interpret(self, hidden_states, top_k_index, top_k_weights):
-    """The JAX program of the TPU path, run on CPU in Pallas interpret mode (a
-    correctness check, not fast)."""
-    from ..common import jax_bridge, pallas_helpers
-    from . import program
-
-    up, down, up_bias, down_bias, gate, alpha, limit, layout = module_layout.program_args(self)
-    j = jax_bridge.to_jax
-    with jax_bridge.INTERPRET_LOCK:
-        out = program.experts_forward(
-            j(hidden_states), j(top_k_index), j(top_k_weights.to(hidden_states.dtype)), j(up), j(down),
-            j(up_bias), j(down_bias), gate=gate, alpha=alpha, limit=limit, rhs_layout=layout,
-            interpret=pallas_helpers.interpret_params(),
-        )
-        return jax_bridge.to_torch(out)

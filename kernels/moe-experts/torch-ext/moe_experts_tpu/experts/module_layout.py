@@ -5,11 +5,15 @@
 (``gate_up_proj`` + ``_apply_gate``, or ``up_proj`` + ``act_fn``),
 ``has_bias`` and ``has_post_expert_norm``. ``check_module`` refuses a module
 without them with a TypeError naming what is missing; ``gate_of_module``
-names the gate for the TPU program or raises NotImplementedError naming what
-it cannot express.
+names the gate for the TPU program (an overridden ``_apply_gate`` by what it
+computes) or raises NotImplementedError naming what it cannot express;
+``program_args`` is what the program takes from the module, by name.
 """
 
 from __future__ import annotations
+
+import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -20,6 +24,9 @@ ACTIVATION_NAMES = {
     "SiLU": "silu", "SiLUActivation": "silu", "ReLU": "relu", "GELUActivation": "gelu",
     **{name: "gelu_tanh" for name in _GELU_TANH},
 }
+GLU_GATES = tuple(f"glu_{name}" for name in dict.fromkeys(ACTIVATION_NAMES.values()))
+# Half the columns of the probe an overridden _apply_gate is recognised by.
+PROBE_WIDTH = 8
 
 
 def check_module(module, function: str = "experts_forward") -> None:
@@ -77,32 +84,100 @@ def activation_name(module) -> str:
     return ACTIVATION_NAMES[name]
 
 
+class ProgramArgs(NamedTuple):
+    """What the TPU program takes from an experts module (the parameters of
+    ``forward.EXPERTS_PROGRAM`` after the routed tokens), passed by name."""
+
+    up_weight: torch.Tensor
+    down_weight: torch.Tensor
+    up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+    gate: str
+    alpha: float
+    limit: float
+    rhs_layout: str
+
+
+def _default_gate(module) -> bool:
+    return type(module)._apply_gate.__qualname__ == "_default_apply_gate"
+
+
+def _gate_candidates(module) -> list[tuple[str, float, float]]:
+    """The program's gates an overridden ``_apply_gate`` may compute: every
+    GLU, and gpt-oss's clamped, interleaved SwiGLU with the module's own
+    ``alpha`` and ``limit`` when it has both as numbers."""
+    candidates = [(gate, 0.0, 0.0) for gate in GLU_GATES]
+    alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+    if isinstance(alpha, (int, float)) and isinstance(limit, (int, float)):
+        candidates.insert(0, ("gpt_oss", float(alpha), float(limit)))
+    return candidates
+
+
+def _probe_gate(module) -> tuple[str, float, float]:
+    """The gate an overridden ``_apply_gate`` computes, recognised by what it
+    does: its output on a fixed probe (values past any clamp limit, both
+    signs) against each candidate of ``gates.py``. NotImplementedError names
+    the override when none matches."""
+    import numpy as np
+
+    from ..common import jax_bridge
+
+    jax_bridge.import_jax("experts_forward (fused TPU program)")
+    from . import gates
+
+    probe = torch.randn(4, 2 * PROBE_WIDTH, generator=torch.Generator().manual_seed(0), dtype=torch.float32) * 6
+    qualname = type(module)._apply_gate.__qualname__
+    try:
+        with torch.no_grad():
+            got = module._apply_gate(probe).detach().float().cpu().numpy()
+    except Exception as e:  # noqa: BLE001 - an override the probe cannot run is one the program cannot express
+        raise NotImplementedError(
+            f"experts_forward (fused TPU program): {type(module).__name__} overrides _apply_gate ({qualname}), "
+            f"which failed on a probe input ({type(e).__name__}: {e})") from None
+    for gate, alpha, limit in _gate_candidates(module):
+        want = np.asarray(gates.apply_gate(probe.numpy(), gate, alpha, limit))
+        if got.shape == want.shape and np.allclose(got, want, rtol=1e-4, atol=1e-5):
+            return gate, alpha, limit
+    raise NotImplementedError(
+        f"experts_forward (fused TPU program): {type(module).__name__} overrides _apply_gate ({qualname}), "
+        f"which computes none of the program's gates ({', '.join(g for g, _, _ in _gate_candidates(module))})")
+
+
+_RECOGNISED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
 def gate_of_module(module) -> tuple[str, float, float]:
     """Names the module's gate for the TPU program: ``(gate, alpha, limit)``
     (see ``gates.py``), or raises NotImplementedError rather than computing
-    something else."""
-    apply_gate = type(module)._apply_gate
-    if type(module).__name__ == "GptOssExperts" or apply_gate.__qualname__ == "GptOssExperts._apply_gate":
-        return "gpt_oss", float(module.alpha), float(module.limit)
+    something else. The default ``_apply_gate`` is read from ``act_fn``; an
+    override (gpt-oss's, or any model's) is recognised by what it computes
+    (``_probe_gate``, once per module and attribute values)."""
     if not getattr(module, "has_gate", True):
         return activation_name(module), 0.0, 0.0
-    if apply_gate.__qualname__ != "_default_apply_gate":
-        raise NotImplementedError(
-            f"experts_forward (fused TPU program): {type(module).__name__} overrides _apply_gate "
-            f"({apply_gate.__qualname__}), which has no fused equivalent"
-        )
-    return "glu_" + activation_name(module), 0.0, 0.0
+    if _default_gate(module):
+        return "glu_" + activation_name(module), 0.0, 0.0
+    key = (type(module), getattr(module, "alpha", None), getattr(module, "limit", None))
+    cached = _RECOGNISED.get(module)
+    if cached is None or cached[0] != key:
+        try:
+            cached = (key, _probe_gate(module))
+        except NotImplementedError as e:
+            cached = (key, e)
+        _RECOGNISED[module] = cached
+    if isinstance(cached[1], NotImplementedError):
+        raise cached[1]
+    return cached[1]
 
 
-def program_args(module):
-    """What the TPU program takes from the module: ``(up, down, up_bias,
-    down_bias, gate, alpha, limit, rhs_layout)``; NotImplementedError for a
+def program_args(module) -> ProgramArgs:
+    """What the TPU program takes from the module; NotImplementedError for a
     layer it cannot express."""
     if getattr(module, "has_post_expert_norm", False):
         raise NotImplementedError(f"experts_forward (fused TPU program): post-expert norm of {type(module).__name__}")
     gate, alpha, limit = gate_of_module(module)
-    return (up_weight(module), module.down_proj, up_bias(module), down_bias(module), gate, alpha, limit,
-            rhs_layout(module))
+    return ProgramArgs(up_weight=up_weight(module), down_weight=module.down_proj, up_bias=up_bias(module),
+                       down_bias=down_bias(module), gate=gate, alpha=alpha, limit=limit,
+                       rhs_layout=rhs_layout(module))
 
 
 def expert_mlp(module, x, project):

@@ -1,29 +1,28 @@
-"""torch ops of the ragged dot: declarations, CPU and TPU implementations, autograd.
+"""The ragged dot as torch ops: its backends declared once, its routes, autograd.
 
-Each op is declared once (``common.torch_ops.OpDecl``); the host op, its fake
-kernel and the TPU op are derived from that declaration:
+``RAGGED_DOT_OP`` declares every backend (``common.torch_ops.OpBackends``):
 
-* host ops (CPU tensors), with two implementations picked by ``impl``:
-  ``"native"`` (torch matmuls per group, the default) and ``"interpret"``
-  (the Pallas kernels in interpret mode through DLPack, to check the TPU code
-  on a CPU);
-* TPU ops through ``torch_tpu``'s ``jax_op``, in the explicit registry
-  ``TPU_OPS``: registered at import when a TPU is present, otherwise on first
-  use, because importing torch_tpu on a host without a TPU is not always safe.
+* the host op (CPU tensors), with two implementations picked by ``impl``:
+  ``"native"`` (torch matmuls per group) and ``"interpret"`` (the Pallas
+  kernels in interpret mode through DLPack, to check the TPU code on a CPU);
+* the TPU op through ``torch_tpu``'s ``jax_op`` (registered in the package's
+  ``TPU_OPS`` on first use), given the chip's generation;
+* the backward: ``d_lhs = ragged_dot(d_out, rhs)`` with the other weight
+  layout (the same weights read transposed, never copied) and ``d_rhs[g] =
+  lhs_g^T @ d_out_g`` (the transposed grouped matmul), one formula for the
+  host and the TPU pair. Double backward is refused: the weight gradient op
+  has no derivative.
 
-Backward (one formula for both families): ``d_lhs = ragged_dot(d_out, rhs)``
-with the other weight layout (the same weights read transposed, never
-copied) and ``d_rhs[g] = lhs_g^T @ d_out_g`` (the transposed grouped matmul).
-Double backward is not supported: the weight gradient op has no derivative.
+``ragged_dot`` checks its arguments and hands the call to ``DISPATCH``
+(``common.dispatch``): Pallas on a TPU; on CPU eager inference skips the
+custom op (``native_eager``), autograd and ``torch.compile`` go through it.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from ..common import jax_bridge, torch_ops
+from ..common import dispatch, jax_bridge, torch_ops
 from ..common.torch_ops import OpDecl
 from . import cpu_native, layouts, validation
 
@@ -41,11 +40,6 @@ WEIGHT_GRAD = OpDecl("ragged_dot_weight_grad", (
     ("lhs", "Tensor"), ("dout", "Tensor"), ("group_sizes", "Tensor"), ("num_local_groups", "int"),
     ("rhs_layout", "str"), ("group_offset", "int"), ("out_dtype", "ScalarType"), *_TILES,
 ))
-# The host twins take one more parameter: which CPU implementation runs.
-HOST_RAGGED_DOT = RAGGED_DOT.extended("ragged_dot", ("impl", "str"))
-HOST_WEIGHT_GRAD = WEIGHT_GRAD.extended("ragged_dot_weight_grad", ("impl", "str"))
-TPU_RAGGED_DOT = RAGGED_DOT.extended("ragged_dot_tpu")
-TPU_WEIGHT_GRAD = WEIGHT_GRAD.extended("ragged_dot_weight_grad_tpu")
 
 
 def _tiling(tm: int, tk: int, tn: int):
@@ -53,31 +47,14 @@ def _tiling(tm: int, tk: int, tn: int):
 
 
 # ----------------------------------------------------------------------------
-# The Pallas kernels as jitted JAX functions (interpret mode on CPU, Mosaic on TPU)
+# Host (CPU) ops: "native" (torch) or "interpret" (the Pallas kernel in interpret mode)
 # ----------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=None)
-def _jitted(kernel: str, interpret: bool, **static):
-    jax = jax_bridge.import_jax(FUNCTION_NAME, "call ragged_dot(..., impl='native') on CPU")
-    from . import pallas_gmm
-    from ..common import pallas_helpers
-
-    fn = getattr(pallas_gmm, kernel)
-    return jax.jit(functools.partial(fn, interpret=pallas_helpers.interpret_params() if interpret else False,
-                                     **static))
 
 
 def _interpret(kernel: str, x, y, group_sizes, **static):
-    with jax_bridge.INTERPRET_LOCK:
-        fn = _jitted(kernel, True, generation=None, **static)
-        out = fn(jax_bridge.to_jax(x), jax_bridge.to_jax(y), jax_bridge.to_jax(group_sizes.to(torch.int32)))
-        return jax_bridge.to_torch(out)
-
-
-# ----------------------------------------------------------------------------
-# Host (CPU) ops
-# ----------------------------------------------------------------------------
+    return jax_bridge.run_interpreted(FUNCTION_NAME, (f"{__package__}.pallas_gmm", kernel),
+                                      (x, y, group_sizes.to(torch.int32)), dict(static, generation=None),
+                                      cpu_alternative="call ragged_dot(..., impl='native') on CPU")
 
 
 def _host_ragged_dot(lhs, rhs, group_sizes, rhs_layout, group_offset, out_dtype, tm, tk, tn, impl):
@@ -109,30 +86,27 @@ def _fake_weight_grad(lhs, dout, group_sizes, num_local_groups, rhs_layout, grou
                          dtype=out_dtype)
 
 
-
-
 # ----------------------------------------------------------------------------
-# TPU ops (torch_tpu's jax_op)
+# TPU programs (torch_tpu's jax_op; generation: the chip traced for)
 # ----------------------------------------------------------------------------
 
 
-def _tpu_ragged_dot(lhs, rhs, group_sizes, rhs_layout, group_offset, out_dtype, tm, tk, tn):
-    from ..common.tpu_generations import current_generation
+def _tpu_ragged_dot(lhs, rhs, group_sizes, rhs_layout, group_offset, out_dtype, tm, tk, tn, generation):
     from . import pallas_gmm
 
     return pallas_gmm.gmm(lhs, rhs, group_sizes.astype("int32"), rhs_layout=rhs_layout,
                           group_offset=group_offset, out_dtype=jax_bridge.jax_dtype(out_dtype),
-                          tiling=_tiling(tm, tk, tn), generation=current_generation())
+                          tiling=_tiling(tm, tk, tn), generation=generation)
 
 
-def _tpu_weight_grad(lhs, dout, group_sizes, num_local_groups, rhs_layout, group_offset, out_dtype, tm, tk, tn):
-    from ..common.tpu_generations import current_generation
+def _tpu_weight_grad(lhs, dout, group_sizes, num_local_groups, rhs_layout, group_offset, out_dtype, tm, tk, tn,
+                     generation):
     from . import pallas_gmm
 
     return pallas_gmm.tgmm(lhs, dout, group_sizes.astype("int32"), num_local_groups=num_local_groups,
                            rhs_layout=rhs_layout, group_offset=group_offset,
                            out_dtype=jax_bridge.jax_dtype(out_dtype), tiling=_tiling(tm, tk, tn),
-                           generation=current_generation())
+                           generation=generation)
 
 
 # ----------------------------------------------------------------------------
@@ -167,27 +141,42 @@ def _register_autograd(forward_op, forward_decl: OpDecl, weight_grad_op, weight_
         return forward_decl.grads(lhs=d_lhs, rhs=d_rhs)
 
     forward_op.register_autograd(backward, setup_context=setup_context)
-    torch_ops.refuse_double_backward(
-        weight_grad_op, "ragged_dot: double backward (a gradient of the weight gradient) is not supported")
 
 
-host_ragged_dot, host_weight_grad = torch_ops.register_host_pair(
-    HOST_RAGGED_DOT, _host_ragged_dot, _fake_ragged_dot, HOST_WEIGHT_GRAD, _host_weight_grad, _fake_weight_grad,
-    _register_autograd)
-
-TPU_OPS = torch_ops.TpuOpRegistry(FUNCTION_NAME)
-TPU_OPS.declare_with_backward(TPU_RAGGED_DOT, _tpu_ragged_dot, TPU_WEIGHT_GRAD, _tpu_weight_grad, _register_autograd)
-if torch_ops.tpu_available():
-    TPU_OPS.register_all()
+RAGGED_DOT_OP = torch_ops.DeclaredOp(torch_ops.OpBackends(
+    RAGGED_DOT, host=_host_ragged_dot, fake=_fake_ragged_dot, host_impls=HOST_IMPLS, tpu=_tpu_ragged_dot,
+    backward=torch_ops.OpBackends(WEIGHT_GRAD, host=_host_weight_grad, fake=_fake_weight_grad,
+                                  host_impls=HOST_IMPLS, tpu=_tpu_weight_grad),
+    autograd=_register_autograd,
+    double_backward_message="ragged_dot: double backward (a gradient of the weight gradient) is not supported"))
+TPU_OPS = RAGGED_DOT_OP.registry
+host_ragged_dot = RAGGED_DOT_OP.host_op
 
 
 # ----------------------------------------------------------------------------
-# Public entry point
+# Routes and the public entry point
 # ----------------------------------------------------------------------------
 
 
-def needs_grad(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+def _run_native_eager(params):
+    # Eager inference: skip the custom-op dispatch (~0.3 ms per call,
+    # measured at decode sizes, 8% of a gate_up projection).
+    validation.check_group_size_values(params["group_sizes"], params["lhs"].shape[0])
+    return cpu_native.ragged_dot(params["lhs"], params["rhs"], params["group_sizes"], params["rhs_layout"],
+                                 params["group_offset"], params["out_dtype"])
+
+
+def _run_tpu(params):
+    # No value checks on TPU (they would need a host sync).
+    return RAGGED_DOT_OP.call("tpu", {**params, "group_sizes": params["group_sizes"].to(torch.int32)})
+
+
+DISPATCH = dispatch.Dispatcher(FUNCTION_NAME, (
+    dispatch.Route("pallas", "tpu", "pallas", _run_tpu),
+    dispatch.Route("native_eager", "cpu", "native", _run_native_eager, when=dispatch.EAGER),
+    dispatch.Route("native_op", "cpu", "native", lambda params: RAGGED_DOT_OP.call("cpu", params, "native")),
+    dispatch.Route("interpret_op", "cpu", "interpret", lambda params: RAGGED_DOT_OP.call("cpu", params, "interpret")),
+), defaults={"tpu": "pallas", "cpu": "native"})
 
 
 def ragged_dot(
@@ -215,35 +204,18 @@ def ragged_dot(
         the result is rounded once.
       tiling: ``(tm, tk, tn)`` replacing the tile rule of ``tiling.py`` (all
         three or none), checked for TPU legality on every path.
-      impl: ``"auto"`` (Pallas on TPU, native on CPU), or on CPU ``"native"``
-        or ``"interpret"`` (the Pallas kernels in interpret mode: a correctness
-        check, not fast).
+      impl: ``"auto"`` (Pallas on TPU, native on CPU), ``"pallas"`` on TPU,
+        or on CPU ``"native"`` or ``"interpret"`` (the Pallas kernels in
+        interpret mode: a correctness check, not fast). Which route runs is
+        ``common.dispatch``'s rule.
 
     Returns ``[M, N]``; rows past ``sum(group_sizes)`` are zero.
     """
     validation.check_ragged_dot_args(lhs, rhs, group_sizes, rhs_layout, group_offset, out_dtype)
-    out_dtype = out_dtype or lhs.dtype
-    offset = group_offset or 0
     t = validation.check_tiling(tiling, lhs.shape[0], lhs.shape[1], layouts.out_features(rhs.shape, rhs_layout))
     tiles = dict(zip(("tm", "tk", "tn"), t.as_tuple())) if t is not None else RULE_TILES
     # group_sizes keep their dtype on CPU: the host ops check the values in
     # it (an int64 size of 2**32 + 3 must not be read as 3 after a cast).
-    params = dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes, rhs_layout=rhs_layout, group_offset=offset,
-                  out_dtype=out_dtype, **tiles)
-    if lhs.device.type == "tpu":
-        if impl != "auto":
-            raise ValueError(f"ragged_dot: impl={impl!r} is a CPU implementation; use 'auto' on a TPU")
-        params["group_sizes"] = group_sizes.to(torch.int32)  # no value checks on TPU (no host sync)
-        return TPU_OPS.get(TPU_RAGGED_DOT.name)(*TPU_RAGGED_DOT.args(params))
-    if lhs.device.type != "cpu":
-        raise ValueError(f"ragged_dot: tensors must be on a 'cpu' or 'tpu' device, got {lhs.device}")
-    impl = "native" if impl == "auto" else impl
-    if impl not in HOST_IMPLS:
-        raise ValueError(f"ragged_dot: impl must be 'auto' or one of {HOST_IMPLS} on CPU, got {impl!r}")
-    if impl == "native" and not torch.compiler.is_compiling() and not needs_grad(lhs, rhs):
-        # Eager inference: skip the custom-op dispatch (~0.3 ms per call,
-        # measured at decode sizes, 8% of a gate_up projection). Compiled graphs
-        # and autograd go through the op.
-        validation.check_group_size_values(group_sizes, lhs.shape[0])
-        return cpu_native.ragged_dot(lhs, rhs, group_sizes, rhs_layout, offset, out_dtype)
-    return host_ragged_dot(*HOST_RAGGED_DOT.args({**params, "impl": impl}))
+    params = dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes, rhs_layout=rhs_layout, group_offset=group_offset or 0,
+                  out_dtype=out_dtype or lhs.dtype, **tiles)
+    return DISPATCH(dispatch.Call.of(lhs.device, impl, (lhs, rhs)), params)
