@@ -46,13 +46,19 @@ class Chip:
     topology: str
     clock_hz: float
     hbm_bytes_per_s: float
-    bf16_flops_per_s: float
+    bf16_flops_per_s: float  # of one TensorCore
     note: str = ""
+    cores: int = 1  # TensorCores behind one JAX device (a v5p megacore: 2)
 
 
 CHIPS = {
     # 4 MXUs x (16 x 128 x 128) per 16 cycles at 1.5 GHz = 197 TF/s.
     "v5e": Chip("v5e", "v5e:1x1", 1.5e9, 819e9, 197e12),
+    # v5p: 459 TF/s bf16 and 2765 GB/s per chip, whose one device is a
+    # megacore of two TensorCores (cloud.google.com/tpu/docs/v5p). One core: 4
+    # MXUs x (128 x 128) at 1.75 GHz = 229 TF/s; ``cores=2``: a kernel's first
+    # "parallel" grid axis is split between the two, which share the HBM.
+    "v5p": Chip("v5p", "v5p:1x1x1", 1.75e9, 2765e9, 459e12 / 2, cores=2),
     # 2 MXUs x (16 x 256 x 256) per 8 cycles at 1.75 GHz = 918 TF/s.
     "v6e": Chip("v6e", "v6e:1x1", 1.75e9, 1640e9, 918e12),
     # One of the chip's two TensorCores: half the chip's 7.37 TB/s and
@@ -437,6 +443,7 @@ class Estimate:
     seconds: float
     mxu_bound_s: float
     hbm_bound_s: float
+    other_ops_s: float = 0.0
 
     @property
     def roofline_s(self) -> float:
@@ -584,9 +591,18 @@ def estimate(fn, args, generation: str, *, flops: float, min_bytes: float, repla
                 raise ValueError(f"more calls of {call.name!r} than compiled kernels: XLA merged or removed one")
             schedule = tpu_schedule.read(dumps[call.name].pop(0))
             kernels.append(estimate_kernel(call, schedule, chip, replay_for(call) if replay_for else None))
-        others = sum(tpu_schedule.other_ops_cycles(dump, {c.name for c in calls}).values())
+        other_ops = tpu_schedule.other_ops(dump, {c.name for c in calls})
     finally:
         shutil.rmtree(dump, ignore_errors=True)
-    seconds = sum(k.seconds for k in kernels) + others / chip.clock_hz
-    return Estimate(generation, kernels, others, seconds, flops / chip.bf16_flops_per_s,
-                    min_bytes / chip.hbm_bytes_per_s)
+    others = other_ops_seconds(other_ops, chip)
+    seconds = sum(k.seconds for k in kernels) + others
+    return Estimate(generation, kernels, sum(c for c, _ in other_ops.values()), seconds, flops / chip.bf16_flops_per_s,
+                    min_bytes / chip.hbm_bytes_per_s, others)
+
+
+def other_ops_seconds(ops: dict[str, tuple[int, int]], chip: Chip) -> float:
+    """The program's other XLA ops: each at least one pass of its static
+    schedule and at least its HBM traffic at full bandwidth (a copy of a
+    large output, e.g. when a function returns the kernel's result twice,
+    loops over it: one pass of its bundles would undercount it)."""
+    return sum(max(c / chip.clock_hz, b / chip.hbm_bytes_per_s) for c, b in ops.values())
