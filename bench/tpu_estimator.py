@@ -18,8 +18,46 @@ How (the method is in bench/results/tpu_calibration.md, with its error):
    write-back, the copies of operands XLA placed in VMEM, and the other XLA
    ops of the program (their static bundle counts, one pass each).
 
+   Inner loops (``fori_loop``, ``emit_pipeline`` inside a kernel, a while
+   with fori bounds) that the lowering keeps rolled are paired, in program
+   order, with the schedule's loops inside a grid step and charged by their
+   trip count on each step (loops lowered unrolled, e.g. splash's
+   ``block_kv_compute`` loop with ``unroll=True``, are in the schedule
+   already). The kernel's own DMAs (``make_async_copy``,
+   ``make_async_remote_copy``) are replayed too: each start joins the DMA
+   queue, each ``dma_wait`` sits where the schedule has it and stalls the
+   core until the copy it waits for has landed. The XLA ops around the
+   kernels are charged one pass of their schedule or their HBM traffic,
+   whichever is longer.
+
 Nothing is fitted: the clocks and bandwidths are the chips' published peaks.
 Development tool: benchmarks only; never imported by a Hub kernel.
+
+Not modelled, and which way each bends an estimate:
+- Megacore splits (v5p, v4): one JAX device is two TensorCores and Mosaic
+  splits a kernel's "parallel" grid axis between them. The estimate runs the
+  whole grid on one core at the chip's full HBM bandwidth: for a
+  compute-bound kernel with a parallel axis it reads up to 2x high; for an
+  HBM-bound one it is about right (the two cores share the HBM).
+- The second tpu7x TensorCore: a tpu7x chip is two JAX devices; the
+  estimate is for one, with half the chip's HBM bandwidth and MXU peak. A
+  kernel running alone on one core may get more than half of the HBM
+  bandwidth (then an HBM-bound estimate reads high); two devices each
+  running the kernel share it as modelled.
+- ICI: a remote copy's bytes are charged at HBM bandwidth on the local DMA
+  queue, and a wait on a semaphore another chip signals is taken to have
+  landed already (the peer is assumed in step). ICI links are slower than
+  HBM: collective kernels read low.
+- DMA starts are placed at the kernel's preceding wait (or the step's
+  start), not at their own bundle: a start issued after compute in the same
+  step is taken as issued earlier, which hides up to that compute (reads
+  low for kernels that start late).
+- The MXU and vector units run at the static schedule's rate: stalls the
+  schedule cannot see (HBM bank conflicts, DMA descriptor limits, small
+  strided DMAs below full bandwidth) make every estimate read low.
+- tpu7x's clock is not published (cloud.google.com/tpu/docs/tpu7x gives
+  2307 TF/s bf16 and 7.37 TB/s per chip, two TensorCores); 2.2 GHz is
+  unverified and every tpu7x compute-bound estimate scales with it.
 """
 
 from __future__ import annotations
@@ -56,13 +94,14 @@ CHIPS = {
     "v5e": Chip("v5e", "v5e:1x1", 1.5e9, 819e9, 197e12),
     # v5p: 459 TF/s bf16 and 2765 GB/s per chip, whose one device is a
     # megacore of two TensorCores (cloud.google.com/tpu/docs/v5p). One core: 4
-    # MXUs x (128 x 128) at 1.75 GHz = 229 TF/s; ``cores=2``: a kernel's first
-    # "parallel" grid axis is split between the two, which share the HBM.
+    # MXUs x (128 x 128) at 1.75 GHz = 229 TF/s. ``cores=2`` records the
+    # megacore, whose split of "parallel" grid axes is not modelled (above).
     "v5p": Chip("v5p", "v5p:1x1x1", 1.75e9, 2765e9, 459e12 / 2, cores=2),
     # 2 MXUs x (16 x 256 x 256) per 8 cycles at 1.75 GHz = 918 TF/s.
     "v6e": Chip("v6e", "v6e:1x1", 1.75e9, 1640e9, 918e12),
     # One of the chip's two TensorCores: half the chip's 7.37 TB/s and
-    # 2307 TF/s bf16; the 2.2 GHz clock is not published (unverified).
+    # 2307 TF/s bf16 (cloud.google.com/tpu/docs/tpu7x); the 2.2 GHz clock is
+    # not published (unverified; see "Not modelled" above).
     "tpu7x": Chip("tpu7x", "tpu7x:1x1x1", 2.2e9, 7.37e12 / 2, 2307e12 / 2, note="clock unverified"),
 }
 
