@@ -372,6 +372,8 @@ def main(argv=None):
             continue
         entries = list(table_entries(path))
         chosen = sample(len(entries), args.max_entries)
+        if logged is not None:  # the entries the logs hold
+            chosen = [i for i in chosen if (chip, kind, i) in logged]
         sources.append(f"- {chip} {kind}: {source} ({len(chosen)} of its {len(entries)} measured entries"
                        + (", spread evenly)" if len(chosen) < len(entries) else ")"))
         rows, ratios = [], []
