@@ -18,8 +18,46 @@ How (the method is in bench/results/tpu_calibration.md, with its error):
    write-back, the copies of operands XLA placed in VMEM, and the other XLA
    ops of the program (their static bundle counts, one pass each).
 
+   Inner loops (``fori_loop``, ``emit_pipeline`` inside a kernel, a while
+   with fori bounds) that the lowering keeps rolled are paired, in program
+   order, with the schedule's loops inside a grid step and charged by their
+   trip count on each step (loops lowered unrolled, e.g. splash's
+   ``block_kv_compute`` loop with ``unroll=True``, are in the schedule
+   already). The kernel's own DMAs (``make_async_copy``,
+   ``make_async_remote_copy``) are replayed too: each start joins the DMA
+   queue, each ``dma_wait`` sits where the schedule has it and stalls the
+   core until the copy it waits for has landed. The XLA ops around the
+   kernels are charged one pass of their schedule or their HBM traffic,
+   whichever is longer.
+
 Nothing is fitted: the clocks and bandwidths are the chips' published peaks.
 Development tool: benchmarks only; never imported by a Hub kernel.
+
+Not modelled, and which way each bends an estimate:
+- Megacore splits (v5p, v4): one JAX device is two TensorCores and Mosaic
+  splits a kernel's "parallel" grid axis between them. The estimate runs the
+  whole grid on one core at the chip's full HBM bandwidth: for a
+  compute-bound kernel with a parallel axis it reads up to 2x high; for an
+  HBM-bound one it is about right (the two cores share the HBM).
+- The second tpu7x TensorCore: a tpu7x chip is two JAX devices; the
+  estimate is for one, with half the chip's HBM bandwidth and MXU peak. A
+  kernel running alone on one core may get more than half of the HBM
+  bandwidth (then an HBM-bound estimate reads high); two devices each
+  running the kernel share it as modelled.
+- ICI: a remote copy's bytes are charged at HBM bandwidth on the local DMA
+  queue, and a wait on a semaphore another chip signals is taken to have
+  landed already (the peer is assumed in step). ICI links are slower than
+  HBM: collective kernels read low.
+- DMA starts are placed at the kernel's preceding wait (or the step's
+  start), not at their own bundle: a start issued after compute in the same
+  step is taken as issued earlier, which hides up to that compute (reads
+  low for kernels that start late).
+- The MXU and vector units run at the static schedule's rate: stalls the
+  schedule cannot see (HBM bank conflicts, DMA descriptor limits, small
+  strided DMAs below full bandwidth) make every estimate read low.
+- tpu7x's clock is not published (cloud.google.com/tpu/docs/tpu7x gives
+  2307 TF/s bf16 and 7.37 TB/s per chip, two TensorCores); 2.2 GHz is
+  unverified and every tpu7x compute-bound estimate scales with it.
 """
 
 from __future__ import annotations
@@ -46,17 +84,24 @@ class Chip:
     topology: str
     clock_hz: float
     hbm_bytes_per_s: float
-    bf16_flops_per_s: float
+    bf16_flops_per_s: float  # of one TensorCore
     note: str = ""
+    cores: int = 1  # TensorCores behind one JAX device (a v5p megacore: 2)
 
 
 CHIPS = {
     # 4 MXUs x (16 x 128 x 128) per 16 cycles at 1.5 GHz = 197 TF/s.
     "v5e": Chip("v5e", "v5e:1x1", 1.5e9, 819e9, 197e12),
+    # v5p: 459 TF/s bf16 and 2765 GB/s per chip, whose one device is a
+    # megacore of two TensorCores (cloud.google.com/tpu/docs/v5p). One core: 4
+    # MXUs x (128 x 128) at 1.75 GHz = 229 TF/s. ``cores=2`` records the
+    # megacore, whose split of "parallel" grid axes is not modelled (above).
+    "v5p": Chip("v5p", "v5p:1x1x1", 1.75e9, 2765e9, 459e12 / 2, cores=2),
     # 2 MXUs x (16 x 256 x 256) per 8 cycles at 1.75 GHz = 918 TF/s.
     "v6e": Chip("v6e", "v6e:1x1", 1.75e9, 1640e9, 918e12),
     # One of the chip's two TensorCores: half the chip's 7.37 TB/s and
-    # 2307 TF/s bf16; the 2.2 GHz clock is not published (unverified).
+    # 2307 TF/s bf16 (cloud.google.com/tpu/docs/tpu7x); the 2.2 GHz clock is
+    # not published (unverified; see "Not modelled" above).
     "tpu7x": Chip("tpu7x", "tpu7x:1x1x1", 2.2e9, 7.37e12 / 2, 2307e12 / 2, note="clock unverified"),
 }
 
@@ -156,11 +201,146 @@ def stack_block_indices(index_map_outputs, steps: int) -> np.ndarray:
     return np.stack([np.broadcast_to(np.asarray(o), (steps,)) for o in index_map_outputs], axis=1)
 
 
-def interpret(jaxpr, inputs, *, grid_index, grid, steps, conds=None, active=None):
+@dataclasses.dataclass
+class LoopRecord:
+    """One ``fori_loop`` / ``scan`` / ``while`` met in a kernel body: its trip
+    count per step (0 where it does not run), whether the lowering unrolls it
+    (then the schedule holds every trip and nothing is added), and the
+    enclosing recorded loop."""
+
+    trips: np.ndarray
+    unrolled: bool
+    parent: int | None
+
+
+@dataclasses.dataclass
+class DmaEvent:
+    """A ``dma_start`` or ``dma_wait`` as executed, in program order: the steps
+    where it runs, its bytes (starts), its semaphores (a start signals its
+    destination semaphore and, for a remote copy, its source semaphore too;
+    a wait names one), and which static wait of the kernel it is."""
+
+    kind: str  # "start" / "wait"
+    active: np.ndarray
+    nbytes: int
+    keys: tuple
+    wait_index: int = -1
+
+
+@dataclasses.dataclass
+class KernelTrace:
+    loops: list = dataclasses.field(default_factory=list)
+    dmas: list = dataclasses.field(default_factory=list)
+    wait_ids: dict = dataclasses.field(default_factory=dict)  # id(eqn) -> static index, program order
+    loop: int | None = None  # the loop being interpreted
+    first_trip: bool = True  # loops nested in a loop are recorded on its first trip only
+
+
+# Trips of one loop interpreted to collect its DMAs; longer loops are rare
+# in kernels that start DMAs inside them (their DMAs past this are dropped).
+MAX_INTERPRETED_TRIPS = 512
+
+
+def _sem_key(ref, read):
+    """A semaphore as (ref, its index values per step where known)."""
+    if ref is None:
+        return None
+    var = getattr(ref, "ref", ref)
+    index = []
+    for t in getattr(ref, "transforms", ()):
+        for i in getattr(t, "indices", ()):
+            v = read(i) if hasattr(i, "aval") else np.asarray(i)
+            index.append(v)
+    return (id(var), tuple(index))
+
+
+def _key_at(key, step):
+    var, index = key
+    return (var, tuple(None if v is UNKNOWN else int(np.broadcast_to(v, (step + 1,))[step]) for v in index))
+
+
+def _dma_bytes(ref) -> int:
+    aval = getattr(ref, "ref", ref).aval
+    shape = aval.shape
+    for t in getattr(ref, "transforms", ()):
+        if hasattr(t, "get_indexer_shape"):
+            shape = t.get_indexer_shape()
+    dtype = getattr(aval, "dtype", None) or aval.inner_aval.dtype
+    return int(np.prod(shape)) * np.dtype(dtype).itemsize
+
+
+def static_waits(jaxpr, out=None) -> dict:
+    """Every ``dma_wait`` of a kernel body in program order (into loop and
+    cond bodies): id(eqn) -> index."""
+    out = {} if out is None else out
+    for e in jaxpr.eqns:
+        if e.primitive.name == "dma_wait":
+            out[id(e)] = len(out)
+        for sub in _sub_jaxprs(e):
+            static_waits(sub, out)
+    return out
+
+
+def _loop_trips(e, ins, steps):
+    """(trip count per step or UNKNOWN, unrolled, carry layout) of a scan or fori-style while."""
+    name = e.primitive.name
+    if name == "scan":
+        unroll = e.params["unroll"]
+        length = e.params["length"]
+        unrolled = unroll is True or (not isinstance(unroll, bool) and unroll >= length)
+        return np.full(steps, length), unrolled
+    from jax._src.pallas import utils as pallas_utils
+
+    fori, _ = pallas_utils.pattern_match_while_to_fori_loop(
+        e.params["cond_jaxpr"], e.params["cond_nconsts"], e.params["body_jaxpr"], e.params["body_nconsts"])
+    carry = ins[e.params["cond_nconsts"] + e.params["body_nconsts"]:]
+    if fori is None or carry[0] is UNKNOWN or carry[1] is UNKNOWN:
+        return UNKNOWN, False
+    return np.broadcast_to(np.maximum(np.asarray(carry[1]) - np.asarray(carry[0]), 0), (steps,)).copy(), False
+
+
+def _interpret_loop(e, ins, trace, *, grid_index, grid, steps, active):
+    """Record a loop and interpret its body trip by trip (for the DMAs it starts and waits)."""
+    trips, unrolled = _loop_trips(e, ins, steps)
+    if trips is UNKNOWN:
+        return
+    index = None
+    if trace.first_trip:
+        trace.loops.append(LoopRecord(np.where(active, trips, 0), unrolled, trace.loop))
+        index = len(trace.loops) - 1
+    if e.primitive.name == "scan":
+        n_consts, n_carry = e.params["num_consts"], e.params["num_carry"]
+        body, consts, carry = e.params["jaxpr"].jaxpr, ins[:n_consts], ins[n_consts:n_consts + n_carry]
+        xs = [UNKNOWN] * (len(body.invars) - n_consts - n_carry)
+    else:
+        n_cond, n_body = e.params["cond_nconsts"], e.params["body_nconsts"]
+        body, consts, carry, xs = e.params["body_jaxpr"].jaxpr, ins[n_cond:n_cond + n_body], ins[n_cond + n_body:], []
+    if not _has_dma(body):
+        sub = dataclasses.replace(trace, loop=index if index is not None else trace.loop, dmas=[], wait_ids={})
+        interpret(body, list(consts) + list(carry) + xs, grid_index=grid_index, grid=grid, steps=steps,
+                  active=active & (trips > 0), trace=sub)  # nested loops only
+        trace.loops[:] = sub.loops
+        return
+    outer = (trace.loop, trace.first_trip)
+    trace.loop = index if index is not None else trace.loop
+    for trip in range(min(int(np.max(trips, initial=0)), MAX_INTERPRETED_TRIPS)):
+        trace.first_trip = outer[1] and trip == 0
+        outs = interpret(body, list(consts) + list(carry) + xs, grid_index=grid_index, grid=grid, steps=steps,
+                         active=active & (trip < trips), trace=trace)
+        carry = outs[:len(carry)]
+    trace.loop, trace.first_trip = outer
+
+
+def _has_dma(jaxpr) -> bool:
+    return any(e.primitive.name in ("dma_start", "dma_wait") for e in _walk(jaxpr))
+
+
+def interpret(jaxpr, inputs, *, grid_index, grid, steps, conds=None, active=None, trace=None):
     """Evaluate ``jaxpr`` on per-step values. ``inputs``: numpy arrays (refs
     and scalars are both arrays; a per-step scalar has shape [steps]) or
     UNKNOWN. ``program_id(a)`` is ``grid_index[a]``. Conds are recorded into
-    ``conds`` in program order, nested ones with the steps where they run."""
+    ``conds`` in program order, nested ones with the steps where they run
+    (not those inside loops). ``trace``: loops and DMAs are recorded there."""
     from jax._src.state.indexing import NDIndexer, Slice
     from jax import tree_util
 
@@ -182,15 +362,26 @@ def interpret(jaxpr, inputs, *, grid_index, grid, steps, conds=None, active=None
         elif name == "cond":
             index = ins[0]
             branches = e.params["branches"]
-            if conds is not None and index is not UNKNOWN:
+            if (conds is not None or trace is not None) and index is not UNKNOWN:
                 branch = np.where(active, np.broadcast_to(index, (steps,)), -1)
-                conds.append(CondRecord(branch, _innermost_dot_branches(e)))
+                if conds is not None:
+                    conds.append(CondRecord(branch, _innermost_dot_branches(e)))
                 for b, br in enumerate(branches):  # nested conds: recorded where this branch runs
                     interpret(br.jaxpr, ins[1:], grid_index=grid_index, grid=grid, steps=steps,
-                              conds=conds, active=active & (branch == b))
+                              conds=conds, active=active & (branch == b), trace=trace)
+        elif name in ("scan", "while") and trace is not None:
+            _interpret_loop(e, ins, trace, grid_index=grid_index, grid=grid, steps=steps, active=active)
+        elif name in ("dma_start", "dma_wait") and trace is not None:
+            src, dst, dst_sem, src_sem, _ = e.params["tree"].unflatten(e.invars)
+            if name == "dma_start":
+                keys = tuple(k for k in (_sem_key(dst_sem, read), _sem_key(src_sem, read)) if k is not None)
+                trace.dmas.append(DmaEvent("start", active.copy(), _dma_bytes(src), keys))
+            else:
+                trace.dmas.append(DmaEvent("wait", active.copy(), _dma_bytes(dst), (_sem_key(dst_sem, read),),
+                                           trace.wait_ids.get(id(e), -1)))
         elif (body := _call_body(e)) is not None:
             outs = interpret(getattr(body, "jaxpr", body), ins, grid_index=grid_index, grid=grid, steps=steps,
-                             conds=conds, active=active)
+                             conds=conds, active=active, trace=trace)
         elif not known:
             pass
         elif name in _BINARY:
@@ -314,6 +505,9 @@ class GridReplay:
     mxu_taken: list[np.ndarray] | None
     buffers: list[int] | None = None  # per block mapping; default 2 (double buffering)
     whole_arrays: list[int] | None = None  # bytes of each mapping's full array
+    loops: list[LoopRecord] = dataclasses.field(default_factory=list)  # inner loops, program order
+    dmas: list[DmaEvent] = dataclasses.field(default_factory=list)  # manual DMAs, execution order
+    manual: list[bool] | None = None  # per block mapping: memory_space=ANY, the kernel copies it itself
 
     @property
     def steps(self) -> int:
@@ -355,10 +549,13 @@ def replay(call: KernelCall) -> GridReplay:
     kernel = call.eqn.params["jaxpr"]
     refs = [np.asarray(p) for p in prefetch] + [UNKNOWN] * (len(kernel.invars) - len(prefetch))
     conds: list[CondRecord] = []
-    interpret(kernel, refs, grid_index=grid_index, grid=grid, steps=steps, conds=conds)
+    trace = KernelTrace(wait_ids=static_waits(kernel))
+    interpret(kernel, refs, grid_index=grid_index, grid=grid, steps=steps, conds=conds, trace=trace)
     taken = [np.isin(c.branch, b) for c in conds for b in c.dot_branches]
     buffers = [getattr(bm.pipeline_mode, "buffer_count", None) or 2 for bm in gm.block_mappings]
-    return GridReplay(tuple(grid), block_indices, block_bytes, is_output, taken, buffers, whole)
+    manual = [str(getattr(bm.block_aval, "memory_space", "")) == "any" for bm in gm.block_mappings]
+    return GridReplay(tuple(grid), block_indices, block_bytes, is_output, taken, buffers, whole,
+                      trace.loops, trace.dmas, manual)
 
 
 # ----------------------------------------------------------------------------
@@ -375,12 +572,17 @@ def changed(indices: np.ndarray) -> np.ndarray:
 
 
 def simulate(step_cycles, fetches, writeback_bytes, *, clock_hz, hbm_bytes_per_s,
-             prologue_cycles=0, epilogue_cycles=0, before_bytes=0, after_bytes=0) -> float:
+             prologue_cycles=0, epilogue_cycles=0, before_bytes=0, after_bytes=0, manual=None) -> float:
     """Seconds for one kernel. ``fetches``: per input, ``(bytes per step,
     lookahead)``: with ``b`` buffers the block of step j is issued when step
     ``j - (b - 1)`` starts (the first ones in the prologue) and step j waits
     for it. ``writeback_bytes[i]`` is queued when step i ends. One FIFO DMA
-    queue at HBM bandwidth; the core runs ``step_cycles[i]`` per step."""
+    queue at HBM bandwidth; the core runs ``step_cycles[i]`` per step.
+    ``manual[i]``: the kernel's own DMAs in step i, ``(cycles into the step,
+    "start" or "wait", bytes, semaphore keys)`` in program order: a start
+    joins the same queue when the core reaches it, a wait stalls the core
+    until the oldest start on its semaphore has landed (a wait with no start
+    in flight, e.g. one another chip signals, does not stall)."""
     bw = hbm_bytes_per_s
     n = len(step_cycles)
     issued_at: dict[int, list] = {}
@@ -400,10 +602,20 @@ def simulate(step_cycles, fetches, writeback_bytes, *, clock_hz, hbm_bytes_per_s
             ready[j] = max(ready[j], queue)
 
     issue(-1, core)
+    in_flight: dict = {}
     for i in range(n):
         start = max(core, ready[i])
         issue(i, start)
-        core = start + step_cycles[i] / clock_hz
+        stall = 0.0
+        for offset, kind, nbytes, keys in (manual[i] if manual is not None else ()):
+            t = start + offset / clock_hz + stall
+            if kind == "start":
+                queue = max(queue, t) + nbytes / bw
+                for key in keys:
+                    in_flight.setdefault(key, []).append(queue)
+            elif in_flight.get(keys[0]):
+                stall += max(in_flight[keys[0]].pop(0) - t, 0.0)
+        core = start + step_cycles[i] / clock_hz + stall
         if writeback_bytes[i]:
             queue = max(queue, core) + writeback_bytes[i] / bw
     end = max(core + epilogue_cycles / clock_hz, queue)
@@ -427,6 +639,9 @@ class KernelEstimate:
     written_bytes: int
     vmem_operand_bytes: int
     seconds: float
+    inner_loops_matched: bool = True  # the schedule's inner loops paired with the kernel's
+    manual_dmas_matched: bool = True  # the kernel's dma_waits placed on the schedule's
+    manual_dma_bytes: int = 0  # moved by the kernel's own DMAs (make_async_copy ...)
 
 
 @dataclasses.dataclass
@@ -437,6 +652,7 @@ class Estimate:
     seconds: float
     mxu_bound_s: float
     hbm_bound_s: float
+    other_ops_s: float = 0.0
 
     @property
     def roofline_s(self) -> float:
@@ -454,7 +670,7 @@ def step_cycles(rp: GridReplay, schedule: tpu_schedule.Schedule) -> tuple[np.nda
     """Cycles of every grid step: the loop minus the MXU regions the step
     skips. Returns (cycles, regions matched, cycles of the pipeline's fill
     iteration)."""
-    loop = schedule.grid_loop()
+    loop = body_loop(rp, schedule)
     mxu_regions = schedule.innermost_mxu_regions(loop)
     cycles = np.full(rp.steps, loop.cycles, dtype=np.int64)
     if rp.mxu_taken is None:  # one of the alternative bodies runs per step
@@ -475,20 +691,118 @@ def step_cycles(rp: GridReplay, schedule: tpu_schedule.Schedule) -> tuple[np.nda
     return cycles, matched, fill
 
 
+def body_loop(rp: GridReplay, schedule: tpu_schedule.Schedule) -> tpu_schedule.Loop:
+    """The bundles of one grid step: the grid loop, or the whole kernel for a
+    one-step grid (then every loop of the schedule is an inner loop)."""
+    if rp.steps == 1:
+        return tpu_schedule.Loop(0, schedule.total_cycles)
+    return schedule.grid_loop()
+
+
+def inner_loops(rp: GridReplay, schedule: tpu_schedule.Schedule):
+    """The schedule's loops inside a grid step paired with the kernel's loops
+    the lowering keeps rolled (both in program order, outer before inner):
+    [(schedule loop, record, per-step multiplier: trips of enclosing loops)],
+    and whether the two lists matched (else nothing is paired and every
+    inner loop is charged one trip)."""
+    body = body_loop(rp, schedule)
+    sched = sorted((lp for lp in schedule.loops if lp != body and body.start <= lp.start and lp.end <= body.end),
+                   key=lambda lp: (lp.start, -lp.end))
+    rolled = [i for i, rec in enumerate(rp.loops) if not rec.unrolled]
+    if len(sched) != len(rolled):
+        return [], False
+    pairs = []
+    for lp, i in zip(sched, rolled):
+        mult = np.ones(rp.steps, np.int64)
+        parent = rp.loops[i].parent
+        while parent is not None:
+            mult *= np.maximum(rp.loops[parent].trips, 1)
+            parent = rp.loops[parent].parent
+        pairs.append((lp, rp.loops[i], mult))
+    return pairs, True
+
+
+def inner_loop_cycles(pairs, steps: int) -> np.ndarray:
+    """Cycles a step spends in its inner loops beyond the one trip the
+    static schedule holds: each loop's body (trips - 1) more times, once per
+    trip of the loops around it. A loop that runs no trip is charged its one
+    static trip (as if its region ran)."""
+    extra = np.zeros(steps, np.int64)
+    for lp, rec, mult in pairs:
+        extra += mult * np.maximum(rec.trips.astype(np.int64) - 1, 0) * lp.cycles
+    return extra
+
+
+_MANUAL_WAIT = "dma.done.wait"
+
+
+def manual_dma_events(rp: GridReplay, schedule: tpu_schedule.Schedule, pairs) -> tuple[list | None, bool]:
+    """Per grid step, the kernel's own DMA starts and waits placed on the
+    schedule: the k-th ``dma_wait`` of the kernel (program order) sits at the
+    k-th ``dma.done.wait`` of the step's bundles that the pipeline did not
+    emit (those carry ``pipeline-emitter-dma-wait``), moved by the extra
+    trips of the inner loops before it and, for its n-th run in a step, by n
+    trips of the innermost loop holding it. A start is placed where the event
+    before it in program order is (the step's start for the first): the
+    common patterns (start; wait) and (wait; start the next) issue right
+    there. Returns (events per step or None, positions matched)."""
+    if not rp.dmas:
+        return None, True
+    body = body_loop(rp, schedule)
+    waits = [i for i in range(body.start, body.end) if _MANUAL_WAIT in schedule.bundles[i]
+             and "pipeline-emitter" not in schedule.bundles[i]]
+    static = max((e.wait_index for e in rp.dmas), default=-1) + 1
+    matched = len(waits) == static
+    events = [[] for _ in range(rp.steps)]
+    last = [0.0] * rp.steps
+    runs = [dict() for _ in range(rp.steps)]
+    for ev in rp.dmas:
+        for i in np.nonzero(ev.active)[0]:
+            keys = tuple(_key_at(k, int(i)) for k in ev.keys)
+            if ev.kind == "start":
+                events[i].append((last[i], "start", ev.nbytes, keys))
+                continue
+            if matched and ev.wait_index >= 0:
+                pos = waits[ev.wait_index]
+                offset = pos - body.start
+                innermost = None
+                for lp, rec, mult in pairs:
+                    if lp.end <= pos:
+                        offset += int(mult[i]) * max(int(rec.trips[i]) - 1, 0) * lp.cycles
+                    elif lp.start <= pos < lp.end:
+                        innermost = lp
+                n = runs[i].get(ev.wait_index, 0)
+                runs[i][ev.wait_index] = n + 1
+                if innermost is not None:
+                    offset += n * innermost.cycles
+            else:  # unplaced: at the step's end
+                offset = float("inf")
+            last[i] = offset
+            events[i].append((offset, "wait", ev.nbytes, keys))
+    return events, matched
+
+
 def estimate_kernel(call: KernelCall, schedule: tpu_schedule.Schedule, chip: Chip,
                     rp: GridReplay | None = None) -> KernelEstimate:
     """``rp``: the grid replay, by default from the pallas_call's own grid."""
     gm = call.eqn.params["grid_mapping"]
     own_grid = rp is None
     rp = replay(call) if own_grid else rp
-    loop = schedule.grid_loop()
+    loop = body_loop(rp, schedule)
     cycles, matched, fill = step_cycles(rp, schedule)
+    pairs, loops_matched = inner_loops(rp, schedule)
+    cycles = cycles + inner_loop_cycles(pairs, rp.steps)
+    manual, dmas_matched = manual_dma_events(rp, schedule, pairs)
+    if manual is not None:  # an unplaced wait: at the step's end
+        manual = [[(min(o, c), *rest) for o, *rest in ev] for ev, c in zip(manual, cycles)]
     first_operand = sum(1 for d in gm.grid if not isinstance(d, int)) + gm.num_index_operands
     fetches = []
     writeback = np.zeros(rp.steps, np.int64)
     before = after = 0
     for j, (idx, nbytes, out) in enumerate(zip(rp.block_indices, rp.block_bytes, rp.is_output)):
         memory = _operand_memory(schedule, first_operand + j) if own_grid else "hbm"
+        if rp.manual and rp.manual[j]:  # memory_space=ANY: only the kernel's own DMAs move it
+            continue
         if memory == "vmem":  # XLA copies the whole array in (or out) around the kernel
             if out:
                 after += rp.whole_arrays[j]
@@ -505,10 +819,12 @@ def estimate_kernel(call: KernelCall, schedule: tpu_schedule.Schedule, chip: Chi
     seconds = simulate(cycles, fetches, writeback, clock_hz=chip.clock_hz, hbm_bytes_per_s=chip.hbm_bytes_per_s,
                        prologue_cycles=loop.start + fill,
                        epilogue_cycles=schedule.total_cycles - loop.end,
-                       before_bytes=before, after_bytes=after)
+                       before_bytes=before, after_bytes=after, manual=manual)
     fetched = int(sum(f.sum() for f, _ in fetches))
-    return KernelEstimate(call.name, rp.steps, loop.cycles, cycles, matched, len(schedule.inner_loops()),
-                          fetched, int(writeback.sum()), before + after, seconds)
+    manual_bytes = sum(int(e.nbytes * e.active.sum()) for e in rp.dmas if e.kind == "start")
+    return KernelEstimate(call.name, rp.steps, loop.cycles, cycles, matched, len(pairs),
+                          fetched, int(writeback.sum()), before + after, seconds,
+                          loops_matched, dmas_matched, manual_bytes)
 
 
 def _libtpu_dump_dir() -> pathlib.Path:
@@ -584,9 +900,18 @@ def estimate(fn, args, generation: str, *, flops: float, min_bytes: float, repla
                 raise ValueError(f"more calls of {call.name!r} than compiled kernels: XLA merged or removed one")
             schedule = tpu_schedule.read(dumps[call.name].pop(0))
             kernels.append(estimate_kernel(call, schedule, chip, replay_for(call) if replay_for else None))
-        others = sum(tpu_schedule.other_ops_cycles(dump, {c.name for c in calls}).values())
+        other_ops = tpu_schedule.other_ops(dump, {c.name for c in calls})
     finally:
         shutil.rmtree(dump, ignore_errors=True)
-    seconds = sum(k.seconds for k in kernels) + others / chip.clock_hz
-    return Estimate(generation, kernels, others, seconds, flops / chip.bf16_flops_per_s,
-                    min_bytes / chip.hbm_bytes_per_s)
+    others = other_ops_seconds(other_ops, chip)
+    seconds = sum(k.seconds for k in kernels) + others
+    return Estimate(generation, kernels, sum(c for c, _ in other_ops.values()), seconds, flops / chip.bf16_flops_per_s,
+                    min_bytes / chip.hbm_bytes_per_s, others)
+
+
+def other_ops_seconds(ops: dict[str, tuple[int, int]], chip: Chip) -> float:
+    """The program's other XLA ops: each at least one pass of its static
+    schedule and at least its HBM traffic at full bandwidth (a copy of a
+    large output, e.g. when a function returns the kernel's result twice,
+    loops over it: one pass of its bundles would undercount it)."""
+    return sum(max(c / chip.clock_hz, b / chip.hbm_bytes_per_s) for c, b in ops.values())

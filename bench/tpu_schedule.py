@@ -25,6 +25,8 @@ import dataclasses
 import pathlib
 import re
 
+import numpy as np
+
 BRANCH_DELAY_SLOTS = 4
 GRANULE_BYTES = 32
 
@@ -186,10 +188,25 @@ def kernel_dumps(dump_dir: str | pathlib.Path, kernel_name: str) -> list[pathlib
     return [p for _, p in found]
 
 
-def other_ops_cycles(dump_dir: str | pathlib.Path, kernel_names: set[str]) -> dict[str, int]:
-    """Static cycles of every other HLO op of the program (the routing and
-    metadata ops around the kernels), counted once each: their loops run a
-    few iterations over arrays of the expert count, so one pass is the
-    right order of magnitude and is what the estimate charges."""
-    return {op: parse(p.read_text()).total_cycles for op, p in _dumps_by_op(dump_dir).items()
-            if _op_base(op)[0] not in kernel_names}
+_ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8e\w+)\[([\d,]*)\]")
+
+
+def array_bytes(shape: str) -> int:
+    """Bytes of the arrays an operand shape names (``bf16[8,128]``, or a tuple)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        itemsize = 1 if dtype == "pred" else max(int(re.sub(r"\D", "", dtype.split("e")[0])) // 8, 1)
+        total += itemsize * int(np.prod([int(d) for d in dims.split(",") if d]))
+    return total
+
+
+def other_ops(dump_dir: str | pathlib.Path, kernel_names: set[str]) -> dict[str, tuple[int, int]]:
+    """Every other HLO op of the program: (static cycles, bytes of its
+    operands placed in HBM, read or written)."""
+    out = {}
+    for op, p in _dumps_by_op(dump_dir).items():
+        if _op_base(op)[0] in kernel_names:
+            continue
+        s = parse(p.read_text())
+        out[op] = (s.total_cycles, sum(array_bytes(o.shape) for o in s.operands if o.memory == "hbm"))
+    return out

@@ -203,3 +203,91 @@ def test_no_hub_kernel_imports_a_benchmark_peer():
     offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "kernels").rglob("*.py") if peer_import.search(p.read_text())]
     assert offenders == []
     assert peer_import.search("x = 1\nfrom tokamax._src import ops\n")  # the pattern does catch an import
+
+
+def test_simulation_manual_dma_start_then_wait_hand_checked():
+    # 1 GHz, 1 GB/s, one step of 3 us. A 2 us copy starts at 0 and is waited
+    # for at 1 us: the core stalls 1 us, the step ends at 4 us. A wait on a
+    # semaphore nothing started (another chip signals it) does not stall.
+    manual = [[(0, "start", 2000, ("s",)), (1000, "wait", 2000, ("s",)), (2000, "wait", 0, ("remote",))]]
+    t = tpu_estimator.simulate([3000], [], np.zeros(1), clock_hz=1e9, hbm_bytes_per_s=1e9, manual=manual)
+    assert t == pytest.approx(4e-6)
+    # A prefetch started in step 0 and waited for in step 1 overlaps step 0.
+    manual = [[(0, "start", 2000, ("s",))], [(0, "wait", 2000, ("s",))]]
+    t = tpu_estimator.simulate([1000, 1000], [], np.zeros(2), clock_hz=1e9, hbm_bytes_per_s=1e9, manual=manual)
+    assert t == pytest.approx(3e-6)  # step 1 waits until 2 us, then computes 1 us
+
+
+_INNER_AND_MANUAL = """
+import json, sys
+sys.path.insert(0, {bench!r})
+import tpu_estimator
+import jax, jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+R, C = 64, 512
+
+def looped(trips):
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jax.lax.fori_loop(0, trips, lambda i, acc: jnp.tanh(acc) + x_ref[...], x_ref[...])
+    return lambda x: pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((R, C), jnp.float32), name="looped")(x)
+
+def copies(n):
+    def kernel(x_hbm, o_ref, buf, sem):
+        def body(i, acc):
+            cp = pltpu.make_async_copy(x_hbm.at[i], buf, sem)
+            cp.start()
+            cp.wait()
+            return acc + buf[...]
+        o_ref[...] = jax.lax.fori_loop(0, n, body, jnp.zeros((R, C), jnp.float32))
+    return lambda x: pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((R, C), jnp.float32), name="copies",
+                                    in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+                                    scratch_shapes=[pltpu.VMEM((R, C), jnp.float32), pltpu.SemaphoreType.DMA(())])(x)
+
+out = {{}}
+for trips in (2, 3, 8):
+    est = tpu_estimator.estimate(looped(trips), [jax.ShapeDtypeStruct((R, C), jnp.float32)], "v5e", flops=0, min_bytes=0)
+    [k] = est.kernels
+    out[f"loop{{trips}}"] = dict(cycles=int(k.step_cycles[0]), inner=k.inner_loops, matched=k.inner_loops_matched)
+n = 8
+est = tpu_estimator.estimate(copies(n), [jax.ShapeDtypeStruct((n, R, C), jnp.float32)], "v5e", flops=0, min_bytes=0)
+[k] = est.kernels
+out["copies"] = dict(seconds=k.seconds, cycles=int(k.step_cycles[0]), bytes=k.manual_dma_bytes, written=k.written_bytes,
+                     fetched=k.fetched_bytes, matched=k.manual_dmas_matched, inner=k.inner_loops)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def inner_and_manual():
+    import json
+
+    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    env.pop("LIBTPU_INIT_ARGS", None)
+    code = _INNER_AND_MANUAL.format(bench=str(ROOT / "bench"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_inner_loop_charged_by_its_trip_count(inner_and_manual):
+    r = inner_and_manual
+    assert all(r[f"loop{t}"]["inner"] == 1 and r[f"loop{t}"]["matched"] for t in (2, 3, 8))
+    # the schedule holds one trip of the loop body; each further trip adds it again
+    body = r["loop3"]["cycles"] - r["loop2"]["cycles"]
+    assert body > 0
+    assert r["loop8"]["cycles"] - r["loop2"]["cycles"] == 6 * body
+
+
+def test_manual_dmas_bytes_and_waits_on_the_schedule(inner_and_manual):
+    c = inner_and_manual["copies"]
+    v5e = tpu_estimator.CHIPS["v5e"]
+    chunk = 64 * 512 * 4
+    assert c["matched"] and c["inner"] == 1
+    assert c["bytes"] == 8 * chunk  # every trip's copy counted
+    assert c["fetched"] == 0  # the memory_space=ANY operand is not fetched by the pipeline
+    # Each trip waits for its own copy before adding it: the copies cannot
+    # overlap each other, so the kernel takes at least all of them plus the
+    # output's write-back, and at most that plus all of its compute.
+    dma = (c["bytes"] + c["written"]) / v5e.hbm_bytes_per_s
+    assert dma <= c["seconds"] <= dma + c["cycles"] / v5e.clock_hz + 1e-9
