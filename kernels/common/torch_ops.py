@@ -164,7 +164,7 @@ class TpuOpRegistry:
     once every op exists, with all of them by name, e.g. to register an
     autograd formula that calls a second op); ``get(name)`` imports jax and
     torch_tpu, registers every declared op once, and returns the named one.
-    ``variant(decl, mesh, key, jax_impl, ...)`` is an op built per mesh and
+    ``variant(decl, key, jax_impl, generation, mesh=...)`` is an op built per mesh and
     key (an SPMD program): made on first use, kept for the process like every
     torch op (a registered op cannot be dropped), one per distinct mesh value
     (equal meshes share it, so a mesh rebuilt per call registers nothing new).
@@ -204,8 +204,8 @@ class TpuOpRegistry:
     def get(self, name: str):
         return self.register_all()[name]
 
-    def variant(self, decl: OpDecl, mesh, key: tuple[str, ...], jax_impl: Callable, generation: Callable[[], str],
-                **jax_op_options):
+    def variant(self, decl: OpDecl, key: tuple[str, ...], jax_impl: Callable, generation: Callable[[], str], *,
+                mesh, **jax_op_options):
         """The op ``decl`` for ``mesh`` and ``key`` (strings, e.g. axis and
         token mode): ``jax_impl`` run with ``jax_op_options`` (``mesh=``,
         partition specs), named ``<decl.name>_<key[-1]>_<n>``. One registration
@@ -216,7 +216,7 @@ class TpuOpRegistry:
             # jax_op names are process-wide: a counter keeps every variant's own.
             name = f"{decl.name}_{key[-1]}_{len(self._variants)}"
             self._variants[full_key] = make_tpu_op(dataclasses.replace(decl, name=name), jax_impl, generation,
-                                                   **jax_op_options)
+                                                   mesh=mesh, **jax_op_options)
         return self._variants[full_key]
 
 

@@ -177,7 +177,7 @@ def tpu_op(mesh, axis: str, tokens: str):
     # positionally (static ones and absent biases ignore theirs).
     in_specs = tuple(in_specs) + (PartitionSpec(),) * (len(PROGRAM.params) - len(in_specs))
     impl = functools.partial(_tpu_program, mesh=mesh, axis=axis, tokens=tokens)
-    return torch_ops.TPU_OPS.variant(PROGRAM, mesh, (axis, tokens), impl, lambda: _mesh_generation(mesh),
+    return torch_ops.TPU_OPS.variant(PROGRAM, (axis, tokens), impl, lambda: _mesh_generation(mesh),
                                      mesh=mesh, input_partition_specs=in_specs,
                                      output_partition_specs=[out_spec])
 

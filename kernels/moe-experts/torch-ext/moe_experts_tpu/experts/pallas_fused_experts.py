@@ -75,7 +75,7 @@ def _kernel(seg_ref, tile_ref, seg_start_ref, seg_end_ref, _weight_group_ref,
             x_ref, gate_ref, up_ref, down_ref, out_ref,
             *, tm: int, num_segments: int, activation):
     v = pl.program_id(0)
-    seg, tile = seg_ref[v], tile_ref[v]
+    seg = seg_ref[v]
     is_local = (seg > 0) & (seg < num_segments - 1)
     x = x_ref[...]
     dot = functools.partial(pallas_helpers.dot_f32, contract_x=1, contract_w=1)
@@ -84,10 +84,7 @@ def _kernel(seg_ref, tile_ref, seg_start_ref, seg_end_ref, _weight_group_ref,
     h = (activation(g) * u).astype(down_ref.dtype)
     y = dot(h, down_ref[...])
     y = jnp.where(is_local, y, jnp.zeros_like(y))
-    mine = pallas_helpers.row_mask(out_ref.shape, tile, tm, seg_start_ref[seg], seg_end_ref[seg])
-    continues_tile = (v > 0) & (tile_ref[jnp.maximum(v - 1, 0)] == tile)
-    previous = jnp.where(continues_tile, out_ref[...], jnp.zeros_like(out_ref))
-    out_ref[...] = jnp.where(mine, y.astype(out_ref.dtype), previous)
+    pallas_gmm.store_visit_rows(out_ref, y, v, tile_ref, tm, seg_start_ref[seg], seg_end_ref[seg])
 
 
 def fused_glu_experts(x, gate_up, down, group_sizes, *, gate: str, out_dtype=None,

@@ -115,6 +115,18 @@ def forward_visits(group_sizes, group_offset, num_local: int, *, m: int, tm: int
     return seg, tile, num_visits, seg_starts, seg_ends, resident_groups(seg, num_local)
 
 
+def store_visit_rows(out_ref, value, v, tile_ref, tm: int, start, end):
+    """Visit ``v``'s epilogue: ``value`` into the rows ``[start, end)`` of its
+    row tile. The first visit of a row tile owns the block (other rows zero);
+    later visits (next segments in the same tile) merge into what is already
+    in VMEM, since the block is written back only when the tile changes."""
+    tile = tile_ref[v]
+    mine = row_mask(out_ref.shape, tile, tm, start, end)
+    continues_tile = (v > 0) & (tile_ref[jnp.maximum(v - 1, 0)] == tile)
+    previous = jnp.where(continues_tile, out_ref[...], jnp.zeros_like(out_ref))
+    out_ref[...] = jnp.where(mine, value.astype(out_ref.dtype), previous)
+
+
 # ----------------------------------------------------------------------------
 # Forward: out[rows of g] = lhs[rows of g] @ rhs[g]
 # ----------------------------------------------------------------------------
@@ -128,7 +140,7 @@ def _gmm_kernel(
     *, tm: int, tk: int, k: int, tiles_k: int, num_segments: int, rhs_layout: str,
 ):
     v, k_i = pl.program_id(1), pl.program_id(2)
-    seg, tile = seg_ref[v], tile_ref[v]
+    seg = seg_ref[v]
     is_local = (seg > 0) & (seg < num_segments - 1)
     w_contract = 1 if rhs_layout == "nk" else 0
 
@@ -153,12 +165,7 @@ def _gmm_kernel(
 
     @pl.when(k_i == tiles_k - 1)
     def _store():
-        mine = row_mask(out_ref.shape, tile, tm, seg_start_ref[seg], seg_end_ref[seg])
-        # The first visit of a row tile owns it; later visits (next segments in
-        # the same tile) merge into what is already in VMEM.
-        continues_tile = (v > 0) & (tile_ref[jnp.maximum(v - 1, 0)] == tile)
-        previous = jnp.where(continues_tile, out_ref[...], jnp.zeros_like(out_ref))
-        out_ref[...] = jnp.where(mine, acc_ref[...].astype(out_ref.dtype), previous)
+        store_visit_rows(out_ref, acc_ref[...], v, tile_ref, tm, seg_start_ref[seg], seg_end_ref[seg])
 
 
 def gmm(
