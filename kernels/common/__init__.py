@@ -9,8 +9,13 @@ with ``from ..common import ...``. Modules:
 * ``pallas_helpers``: tile arithmetic, the f32-accumulating dot, row masks,
   Mosaic compiler parameters, the poisoning interpreter;
 * ``jax_bridge``: importing jax lazily, torch <-> JAX arrays through DLPack;
-* ``torch_ops``: torch op schemas declared once, with the host, fake and TPU
-  (``torch_tpu`` ``jax_op``) registrations derived from the declaration;
+* ``torch_ops``: every backend of an op declared once (``OpBackends``), with
+  the host, fake, autograd and TPU (``torch_tpu`` ``jax_op``, one registry per
+  package) registrations derived from the declaration;
+* ``dispatch``: the one rule that routes a call (device, ``impl``, gradients,
+  ``torch.compile``) to an implementation;
+* ``transformers_interface``: registering one of our functions in a
+  Transformers interface, with one set of refusal rules;
 * ``validation``: the argument-error helpers;
 * ``aot`` (development only, not shipped): ahead-of-time compiles for a TPU
   generation through libtpu, used by the tests and benchmarks.

@@ -2,14 +2,15 @@
 ragged-dot-tpu (whose ``experts_forward`` v1 API it serves).
 
 * ``module_layout``: what a Transformers experts module is (flags, weights,
-  the named gate), the expert MLP written once for every torch path;
+  the gate recognised by what it computes, ``ProgramArgs``), the expert MLP
+  written once for every torch path;
 * ``routing``: sort by expert, rows per expert (static shapes);
 * ``validation``: argument checks of ``experts_forward``;
 * ``cpu_path``: CPU inference in chunks of sorted rows;
 * ``gates``: the gates of the TPU program, in JAX;
 * ``pallas_fused_experts``: the fused gate_up -> gate -> down Pallas kernel;
 * ``program``: the whole layer as one JAX program (the TPU inference path);
-* ``forward``: ``experts_forward``, the choice of path, the composed path;
+* ``forward``: ``experts_forward``, its routes (``DISPATCH``), the composed path;
 * ``registration``: ``register()`` into Transformers' ``ALL_EXPERTS_FUNCTIONS``.
 * ``expert_parallel``: the layer as one SPMD program over a mesh axis (JAX);
 * ``expert_parallel_torch``: ``expert_parallel_experts_forward``, that program
