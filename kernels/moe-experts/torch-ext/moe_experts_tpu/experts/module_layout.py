@@ -18,6 +18,7 @@ from ..gmm import layouts
 _GELU_TANH = {"GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "GELUPytorchTanh"}
 ACTIVATION_NAMES = {
     "SiLU": "silu", "SiLUActivation": "silu", "ReLU": "relu", "GELUActivation": "gelu",
+    "ReLUSquaredActivation": "relu2",
     **{name: "gelu_tanh" for name in _GELU_TANH},
 }
 
