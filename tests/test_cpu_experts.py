@@ -179,14 +179,15 @@ def test_dispatch_inference_chunked_training_composed(monkeypatch):
 
 
 def test_tpu_falls_back_to_composed_with_a_warning_for_what_the_program_cannot_express():
-    qwen, muse, nemotron = _experts("qwen3_moe"), _experts("muse_spark"), _experts("nemotron_h")
+    qwen, muse = _experts("qwen3_moe"), _experts("muse_spark")
+    nemotron = tiny_experts.build("nemotron_h", SEED, mlp_hidden_act="tanh")  # an activation the program lacks
     path, program_args = forward.choose_path(qwen, "tpu", grad=False, compiling=False)
     assert path == "tpu_program" and program_args[4] == "glu_silu" and program_args[0] is qwen.gate_up_proj
     assert forward.choose_path(qwen, "tpu", grad=True, compiling=False) == ("composed", None)
     forward._WARNED_FALLBACK.clear()
     with pytest.warns(UserWarning, match="post-expert norm of MuseSparkExperts"):
         assert forward.choose_path(muse, "tpu", grad=False, compiling=False) == ("composed", None)
-    with pytest.warns(UserWarning, match="activation ReLUSquaredActivation"):
+    with pytest.warns(UserWarning, match="activation Tanh"):
         assert forward.choose_path(nemotron, "tpu", grad=False, compiling=False) == ("composed", None)
     assert forward.choose_path(muse, "cpu", grad=False, compiling=False) == ("cpu_chunked", None)
     assert forward.choose_path(muse, "cpu", grad=False, compiling=True) == ("composed", None)

@@ -1,8 +1,9 @@
 """Transformers' own expert parallelism with our experts function, on CPU with real
 torch.distributed (gloo; 2 and 4 processes launched here): tiny Qwen3-MoE and
-gpt-oss saved to disk, loaded by each rank with ``DistributedConfig(ep_size=W)``
-so it holds only its experts, give the single-process eager logits and greedy
-tokens, under both of Transformers' expert-parallel plans."""
+gpt-oss saved to disk, loaded by each rank with ``DistributedConfig(ep_size=W,
+ep_implementation=...)`` so it holds only its experts, give the single-process
+eager logits and greedy tokens under each of Transformers' expert-parallel
+implementations, and our function is handed what the README says each hands it."""
 
 import os
 import socket
@@ -77,22 +78,37 @@ def saved(tmp_path_factory):
     return {kind: _saved_model(kind, folder) for kind in CONFIGS}
 
 
+# What each implementation hands the experts function (transformers 5.25,
+# distributed/expert_parallel.py); "auto" at inference on a shared batch is all_reduce.
+HANDS_SENTINELS = {"all_to_all": False, "all_reduce": True, "auto": True}
+
+
 @pytest.mark.parametrize("world,kind,plan", [
-    (2, "qwen3_moe", "dispatch"), (2, "gpt_oss", "dispatch"),
-    (2, "qwen3_moe", "masked"), (2, "gpt_oss", "masked"),
-    (4, "qwen3_moe", "dispatch"),
+    (2, "qwen3_moe", "all_to_all"), (2, "gpt_oss", "all_to_all"),
+    (2, "qwen3_moe", "all_reduce"), (2, "gpt_oss", "all_reduce"),
+    (2, "gpt_oss", "auto"),
+    (4, "qwen3_moe", "all_to_all"), (4, "gpt_oss", "all_reduce"),
 ])
 def test_expert_parallel_matches_one_process_eager(saved, world, kind, plan, tmp_path):
     from conftest import DEV_TREE
 
     path, want_logits, want_tokens = saved[kind]
     results = _run_ranks(world, path, plan, tmp_path, str(DEV_TREE))
+    local = 8 // world
     for rank, got in enumerate(results):
-        assert got["local_experts"] == 8 // world, f"rank {rank} holds {got['local_experts']} experts"
+        assert got["local_experts"] == local, f"rank {rank} holds {got['local_experts']} experts"
         assert got["calls"] > 0, f"rank {rank}: our experts function was never called"
-        if plan == "masked":  # remote picks reach us as the sentinel (= local count), weight 0
-            assert got["sentinel_picks"] > 0 and got["max_id"] == 8 // world
-        else:  # the dispatch plan sends each rank only its own tokens, as local ids
-            assert got["sentinel_picks"] == 0 and got["max_id"] < 8 // world
+        assert got["min_id"] >= 0, f"rank {rank}: negative expert id {got['min_id']}"
+        if HANDS_SENTINELS[plan]:
+            # the whole batch, router's top-k, remote picks as the sentinel id
+            # (= local count) with weight 0; an all_reduce sums the ranks' outputs
+            assert got["sentinel_picks"] > 0 and got["max_id"] == local, f"rank {rank}: {got}"
+            assert got["weighted_sentinel_picks"] == 0, f"rank {rank}: {got}"
+            assert got["top_k_widths"] == [2], f"rank {rank}: {got}"
+        else:
+            # only the picks of this rank's experts, one per row, local ids, unit
+            # weights (the sender applies the routing weights after the return trip)
+            assert got["sentinel_picks"] == 0 and got["max_id"] < local, f"rank {rank}: {got}"
+            assert got["top_k_widths"] == [1] and got["non_unit_weights"] == 0, f"rank {rank}: {got}"
         torch.testing.assert_close(got["logits"], want_logits, rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
         assert torch.equal(got["tokens"], want_tokens), f"rank {rank}"

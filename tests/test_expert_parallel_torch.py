@@ -130,7 +130,7 @@ def case():
     (dict(tokens="scattered"), ValueError, "tokens must be one of ('replicated', 'sharded'), got 'scattered'"),
     (dict(module=torch.nn.Linear(4, 4)), TypeError, "Linear is not a Transformers experts module"),
     (dict(module="nemotron_h"), ValueError, "module (NemotronHExperts) is a layer the SPMD program cannot express: "
-     "experts_forward (fused TPU program): activation ReLUSquaredActivation"),
+     "experts_forward (fused TPU program): activation Tanh"),
     (dict(module="muse_spark"), ValueError, "module (MuseSparkExperts) is a layer the SPMD program cannot express: "
      "experts_forward (fused TPU program): post-expert norm"),
     (dict(hidden=lambda h: h.double()), ValueError, "hidden_states dtype must be one of"),
@@ -143,7 +143,7 @@ def case():
 ])
 def test_bad_arguments_raise_errors_naming_them(case, change, error, message):
     module, hidden, ids, weights = case
-    kinds = {"nemotron_h": lambda: tiny_experts.build("nemotron_h", 0, n_routed_experts=8),
+    kinds = {"nemotron_h": lambda: tiny_experts.build("nemotron_h", 0, n_routed_experts=8, mlp_hidden_act="tanh"),
              "muse_spark": lambda: tiny_experts.build("muse_spark", 0, num_local_experts=8),
              "float64": lambda: tiny_experts.build("qwen3_moe", 0, dtype=torch.float64, num_experts=8)}
     module = change.get("module", module)

@@ -13,8 +13,9 @@ Assembled by build/hub.py (hub_manifests/attention-tpu.toml): this module,
 
 from ._ops import NAMESPACE
 from .attention.ops import TPU_OPS, attention
+from .attention.paged import register_continuous_batching
 from .attention.transformers_api import (DEFAULT_NAME, attention_forward, attention_forward_interpret,
                                          flash_attn_forward, register, supports_flash_attn)
 
 __all__ = ["DEFAULT_NAME", "NAMESPACE", "TPU_OPS", "attention", "attention_forward", "attention_forward_interpret",
-           "flash_attn_forward", "register", "supports_flash_attn"]
+           "flash_attn_forward", "register", "register_continuous_batching", "supports_flash_attn"]

@@ -22,11 +22,10 @@ from ..gmm import layouts
 _GELU_TANH = {"GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "GELUPytorchTanh"}
 ACTIVATION_NAMES = {
     "SiLU": "silu", "SiLUActivation": "silu", "ReLU": "relu", "GELUActivation": "gelu",
+    "ReLUSquaredActivation": "relu2",
     **{name: "gelu_tanh" for name in _GELU_TANH},
 }
 GLU_GATES = tuple(f"glu_{name}" for name in dict.fromkeys(ACTIVATION_NAMES.values()))
-# Half the columns of the probe an overridden _apply_gate is recognised by.
-PROBE_WIDTH = 8
 
 
 def check_module(module, function: str = "experts_forward") -> None:
@@ -102,45 +101,48 @@ def _default_gate(module) -> bool:
     return type(module)._apply_gate.__qualname__ == "_default_apply_gate"
 
 
-def _gate_candidates(module) -> list[tuple[str, float, float]]:
-    """The program's gates an overridden ``_apply_gate`` may compute: every
-    GLU, and gpt-oss's clamped, interleaved SwiGLU with the module's own
-    ``alpha`` and ``limit`` when it has both as numbers."""
-    candidates = [(gate, 0.0, 0.0) for gate in GLU_GATES]
+def _gate_candidates(module, gates) -> list[tuple[str, float, float]]:
+    """The program's gates an overridden ``_apply_gate`` may compute: what the
+    model's recogniser reads from its constants (``gates.RECOGNISERS``, for
+    the overrides Transformers ships), gpt-oss's clamped, interleaved SwiGLU
+    with the module's own ``alpha`` and ``limit`` when it has both as numbers,
+    and every GLU."""
+    candidates = []
+    recognise = gates.RECOGNISERS.get(type(module)._apply_gate.__qualname__)
+    if recognise is not None:
+        try:
+            candidates.append(recognise(module))
+        except (AttributeError, NotImplementedError):
+            pass
     alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
     if isinstance(alpha, (int, float)) and isinstance(limit, (int, float)):
-        candidates.insert(0, ("gpt_oss", float(alpha), float(limit)))
-    return candidates
+        candidates.append(("gpt_oss", float(alpha), float(limit)))
+    return candidates + [(gate, 0.0, 0.0) for gate in GLU_GATES]
 
 
 def _probe_gate(module) -> tuple[str, float, float]:
     """The gate an overridden ``_apply_gate`` computes, recognised by what it
-    does: its output on a fixed probe (values past any clamp limit, both
-    signs) against each candidate of ``gates.py``. NotImplementedError names
-    the override when none matches."""
-    import numpy as np
-
+    does: the first candidate equal to the module's own code on a probe
+    (``gates.gate_matches_module``: values past any clamp limit, both signs).
+    NotImplementedError names the override when none matches."""
     from ..common import jax_bridge
 
     jax_bridge.import_jax("experts_forward (fused TPU program)")
     from . import gates
 
-    probe = torch.randn(4, 2 * PROBE_WIDTH, generator=torch.Generator().manual_seed(0), dtype=torch.float32) * 6
     qualname = type(module)._apply_gate.__qualname__
-    try:
-        with torch.no_grad():
-            got = module._apply_gate(probe).detach().float().cpu().numpy()
-    except Exception as e:  # noqa: BLE001 - an override the probe cannot run is one the program cannot express
-        raise NotImplementedError(
-            f"experts_forward (fused TPU program): {type(module).__name__} overrides _apply_gate ({qualname}), "
-            f"which failed on a probe input ({type(e).__name__}: {e})") from None
-    for gate, alpha, limit in _gate_candidates(module):
-        want = np.asarray(gates.apply_gate(probe.numpy(), gate, alpha, limit))
-        if got.shape == want.shape and np.allclose(got, want, rtol=1e-4, atol=1e-5):
-            return gate, alpha, limit
+    candidates = _gate_candidates(module, gates)
+    for gate, alpha, limit in candidates:
+        try:
+            if gates.gate_matches_module(module, gate, alpha, limit):
+                return gate, alpha, limit
+        except Exception as e:  # noqa: BLE001 - an override the probe cannot run is one the program cannot express
+            raise NotImplementedError(
+                f"experts_forward (fused TPU program): {type(module).__name__} overrides _apply_gate ({qualname}), "
+                f"which failed on a probe input ({type(e).__name__}: {e})") from None
     raise NotImplementedError(
         f"experts_forward (fused TPU program): {type(module).__name__} overrides _apply_gate ({qualname}), "
-        f"which computes none of the program's gates ({', '.join(g for g, _, _ in _gate_candidates(module))})")
+        f"which computes none of the program's gates ({', '.join(dict.fromkeys(g for g, _, _ in candidates))})")
 
 
 _RECOGNISED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
