@@ -148,7 +148,7 @@ def test_each_override_gets_a_gate_equal_to_its_own_apply_gate(name):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_override_within_bf16_tolerance(recognisers_wired):
+def test_bf16_override_within_bf16_tolerance():
     """The program runs the gate in f32 on the f32 matmul output; the module
     rounds to bf16 in between: equal within bf16 tolerance."""
     module = build("glm5_next", torch.bfloat16)
@@ -160,7 +160,7 @@ def test_bf16_override_within_bf16_tolerance(recognisers_wired):
     torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
 
 
-def test_a_formula_changed_under_a_known_name_falls_back_with_the_warning(recognisers_wired):
+def test_a_formula_changed_under_a_known_name_falls_back_with_the_warning():
     """The probe catches a release that changes a recognised class's gate (here:
     HY-V4's without the clamp of ``up``)."""
     module = build("hy_v4")
@@ -178,7 +178,7 @@ def test_a_formula_changed_under_a_known_name_falls_back_with_the_warning(recogn
         assert forward.choose_path(module, "tpu", grad=False, compiling=False) == ("composed", None)
 
 
-def test_an_unsupported_activation_in_a_recognised_override_falls_back_with_the_warning(recognisers_wired):
+def test_an_unsupported_activation_in_a_recognised_override_falls_back_with_the_warning():
     module = build("deepseek_v4")
     module.act_fn = torch.nn.Tanh()
     forward._WARNED_FALLBACK.clear()

@@ -22,8 +22,6 @@ two with an error naming what is missing.
 
 from __future__ import annotations
 
-from . import transformers_api
-
 CONTINUOUS_BATCHING_NAME = "paged|eager"
 
 
@@ -32,6 +30,8 @@ def register_continuous_batching(*, interpret: bool = False) -> str:
     eager paged function in this process) and return that name, for
     ``model.set_attn_implementation(name)`` before ``generate_batch``."""
     from transformers import AttentionInterface
+
+    from . import transformers_api
 
     function = transformers_api.attention_forward_interpret if interpret else transformers_api.attention_forward
     AttentionInterface.register(CONTINUOUS_BATCHING_NAME, function)

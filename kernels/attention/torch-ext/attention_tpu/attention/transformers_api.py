@@ -18,7 +18,7 @@ the kernel and registers ``flash_attn_forward`` (this function) with
 from __future__ import annotations
 
 from ..common import transformers_interface
-from . import ops
+from . import ops, paged
 
 DEFAULT_NAME = "attention_tpu"
 
@@ -29,6 +29,7 @@ def _attention_forward(impl: str):
         if dropout:
             raise NotImplementedError(f"attention_forward: dropout={dropout} is not supported (inference and "
                                       "dropout-free training only)")
+        paged.check_paged_call(attention_mask, kwargs)
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
         out = ops.attention(query, key, value, attention_mask=attention_mask, causal=bool(causal),
