@@ -1025,12 +1025,13 @@ def smoke_env(cache: Path, local_kernels: str | None = None) -> dict[str, str]:
 
 
 def smoke_command(
-    method: str, tree: Path, repo_id: str, version: int, entry: str, cache: Path
+    method: str, tree: Path, repo_id: str, version: int, entry: str, cache: Path, python: str | None = None
 ) -> tuple[list[str], dict[str, str]]:
-    """Command and environment of one smoke run."""
+    """Command and environment of one smoke run (`python`: the interpreter that loads
+    the kernel, by default this one)."""
     env = smoke_env(cache, f"{repo_id}={tree.resolve()}" if method == "LOCAL_KERNELS" else None)
     cmd = [
-        sys.executable,
+        python or sys.executable,
         str(SMOKE_SCRIPT),
         "--method",
         method,
@@ -1046,10 +1047,12 @@ def smoke_command(
     return cmd, env
 
 
-def one_process_command(kernels: list[tuple[str, int, str]], cache: Path) -> tuple[list[str], dict[str, str]]:
+def one_process_command(
+    kernels: list[tuple[str, int, str]], cache: Path, python: str | None = None
+) -> tuple[list[str], dict[str, str]]:
     """Command and environment of the smoke run that loads every (repo id, version,
     entry) from the cache into one process, as a user combining kernels would."""
-    cmd = [sys.executable, str(SMOKE_SCRIPT), "--method", "one-process"]
+    cmd = [python or sys.executable, str(SMOKE_SCRIPT), "--method", "one-process"]
     for repo_id, version, entry in kernels:
         cmd += ["--kernel", f"{repo_id}:{version}:{entry}"]
     return cmd, smoke_env(cache)
@@ -1084,8 +1087,17 @@ def run_smokes(jobs: list[tuple[str, list[str], dict[str, str]]], parallel: int)
     return results  # type: ignore[return-value]
 
 
-def run_all(out: Path, org: str | None, names: list[str] | None, parallel: int, keep_cache: bool) -> int:
+def run_all(out: Path, org: str | None, names: list[str] | None, parallel: int, keep_cache: bool,
+            python: str | None = None, methods: tuple[str, ...] = LOAD_METHODS) -> int:
+    """Build, install into a temporary cache, smoke every kernel by each load method in
+    `methods`, then all together in one process; the smoke processes run `python`
+    (default: this interpreter), e.g. a venv with older kernels / transformers."""
     built = build(out, org, names)
+    if python:
+        r = subprocess.run([python, "-c", "import kernels, transformers; print(kernels.__version__, "
+                            "transformers.__version__)"], capture_output=True, text=True, env=script_env())
+        print(f"loading with {python}: kernels {r.stdout.strip().replace(' ', ', transformers ')}"
+              if r.returncode == 0 else f"warning: {python} cannot import kernels and transformers", flush=True)
     for b in built:
         print(f"built {b.manifest.repo_id} -> {b.root} (namespace {b.namespace}); "
               f"digests verified: {', '.join(verify_tree(b.root))}")
@@ -1099,14 +1111,14 @@ def run_all(out: Path, org: str | None, names: list[str] | None, parallel: int, 
             if not m.smoke_entry:
                 print(f"warning: {m.name} names no smoke entry; not loaded", file=sys.stderr)
                 continue
-            for method in LOAD_METHODS:
-                cmd, env = smoke_command(method, b.root, m.repo_id, m.version, m.smoke_entry, cache)
+            for method in methods:
+                cmd, env = smoke_command(method, b.root, m.repo_id, m.version, m.smoke_entry, cache, python)
                 jobs.append((f"{m.name}/{method}", cmd, env))
                 rows.append((m.name, method))
         # Every kernel in one process: each build's ops under its own namespace.
         together = [b.manifest for b in built if b.manifest.smoke_entry]
         if len(together) > 1:
-            cmd, env = one_process_command([(m.repo_id, m.version, m.smoke_entry) for m in together], cache)
+            cmd, env = one_process_command([(m.repo_id, m.version, m.smoke_entry) for m in together], cache, python)
             jobs.append(("one-process", cmd, env))
             rows.append((" + ".join(m.name for m in together), "hub-cache, one process"))
         results = run_smokes(jobs, parallel)
@@ -1176,6 +1188,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--manifest", action="append")
     p.add_argument("--jobs", type=int, default=3, help="smoke processes at a time (default 3)")
     p.add_argument("--keep-cache", action="store_true")
+    p.add_argument("--python", help="interpreter of the smoke processes (default: this one), e.g. "
+                   ".venv-compat/bin/python for the older kernels + transformers pair")
+    p.add_argument("--methods", default=",".join(LOAD_METHODS),
+                   help=f"comma-separated load methods to smoke each kernel with (default: all, {','.join(LOAD_METHODS)})")
 
     args = parser.parse_args(argv)
     try:
@@ -1193,7 +1209,12 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "push":
             push(args.tree, args.repo_id, args.version, args.dry_run, args.private)
         elif args.cmd == "all":
-            return run_all(args.out, args.org, args.manifest, max(1, args.jobs), args.keep_cache)
+            methods = tuple(m for m in args.methods.split(",") if m)
+            unknown = sorted(set(methods) - set(LOAD_METHODS))
+            if unknown:
+                raise BuildError(f"--methods: unknown {unknown} (known: {', '.join(LOAD_METHODS)})")
+            return run_all(args.out, args.org, args.manifest, max(1, args.jobs), args.keep_cache,
+                           args.python, methods)
     except BuildError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
