@@ -790,8 +790,9 @@ def _files_under(root: Path) -> dict[str, Path]:
 def verify_tree(tree: Path) -> list[str]:
     """Check every variant of a built tree (or one variant folder, e.g. the one
     `get_kernel` loaded: `Path(k.__file__).parent`) against its metadata.json
-    digest: the check `kernels` 0.17.2 makes only in `kernels verify-signature`,
-    after a signature this build does not make. Returns the variants checked;
+    digest: the check kernels 0.18+ makes at load (once per Hub revision, then a
+    receipt stands for it) and 0.17.2 only in `kernels verify-signature`, after a
+    signature this build does not make. Returns the variants checked;
     raises BuildError naming the first changed, missing or added file."""
     tree = Path(tree)
     if (tree / "metadata.json").is_file():  # a single variant folder
