@@ -2,13 +2,19 @@
 PY := .venv/bin/python
 ENV := . scripts/env.sh &&
 
-.PHONY: bootstrap hub test bench
+.PHONY: bootstrap hub hub-compat test bench
 
 bootstrap:
 	bash scripts/bootstrap.sh
 
 hub: bootstrap
 	$(ENV) $(PY) build/hub.py all --out dist/hub
+
+# The same job, loading with the older pair users still pin (requirements-compat.lock,
+# .venv-compat); tests/test_compat.py runs it with fewer load methods.
+hub-compat: bootstrap
+	bash scripts/bootstrap_compat.sh
+	$(ENV) $(PY) build/hub.py all --out dist/hub-compat --python .venv-compat/bin/python
 
 test: bootstrap
 	$(ENV) $(PY) -m pytest -q tests

@@ -118,7 +118,7 @@ def test_tree_layout(tree):
     for backend in BACKENDS:
         variant = f"build/torch-{backend}/"
         in_variant = sorted(rel[len(variant):] for rel in files if rel.startswith(variant))
-        assert in_variant == sorted({*want, "_ops.py", "metadata.json"})
+        assert in_variant == sorted({*want, "_ops.py", "metadata.json", "symbols.json"})
         for rel, content in want.items():
             assert files[variant + rel] == content, rel
     assert not [rel for rel in files if "__pycache__" in rel or rel.endswith(".pyc")]
@@ -131,8 +131,9 @@ def test_dev_tree_is_the_shipped_package_plus_dev_only_files(tree):
 
     dev = tree_bytes(DEV_TREE / PACKAGE)
     dev = {rel: c for rel, c in dev.items() if "__pycache__" not in rel}
+    generated = {"metadata.json", "symbols.json"}  # written per variant by the build
     shipped = {rel[len("build/torch-cpu/"):]: c for rel, c in tree_bytes(tree).items()
-               if rel.startswith("build/torch-cpu/") and not rel.endswith("metadata.json")}
+               if rel.startswith("build/torch-cpu/") and rel[len("build/torch-cpu/"):] not in generated}
     assert set(dev) - set(shipped) == {"common/aot.py"}
     assert {rel: dev[rel] for rel in shipped} == shipped
 
@@ -198,31 +199,41 @@ def test_metadata(tree, backend):
     assert md.license == "apache-2.0"
     assert md.python_depends == []
     assert md.backend.backend_type == Backend.from_str(backend)
+    # The oldest kernels the builds are tested with (tests/test_compat.py loads them with it).
+    assert str(md.kernels_minver) == hub.KERNELS_MINVER == compat_pin("kernels")
 
     head = git_head()
     if head:
         assert md.provenance is not None and md.provenance.kernel is not None
-        assert md.provenance.kernel.commit == head
+        assert str(md.provenance.kernel.commit) == head  # an Oid since kernels 0.19
         assert md.provenance.kernel.dirty == git_dirty(
             "kernels/ragged-dot", "kernels/common", "kernels/moe-experts/torch-ext/moe_experts_tpu/experts",
             "hub_manifests/ragged-dot-tpu.toml")
 
 
+def compat_pin(name: str) -> str:
+    """The version requirements-compat.lock pins for `name`."""
+    pins = dict(line.split("#")[0].strip().split("==") for line in (ROOT / "requirements-compat.lock").read_text()
+                .splitlines() if "==" in line.split("#")[0])
+    return pins[name]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_digest_verifies_with_kernels(tree, cache, tmp_path, backend):
+    from kernels._internals.digest import DigestVerificationResult, verify_digest
     from kernels._rust import Digest, DigestValidationError, Metadata
-    from kernels.verify import VerificationResult, verify_variant
 
     variant = tree / "build" / f"torch-{backend}"
     md = Metadata.from_bytes((variant / "metadata.json").read_bytes())
     assert md.digest is not None
-    # The steps of kernels.verify.verify_variant after the signature check.
-    md.digest.validate(Digest.hash_variant(md.digest.algorithm, variant))
-    # Format: base64 (standard alphabet, padded) of each file's sha256.
-    for rel, value in json.loads((variant / "metadata.json").read_text())["digest"]["files"].items():
+    # What kernels (0.18+) runs at every load (validate.DigestValidator), without its receipt cache.
+    result = verify_digest(variant, metadata=md, location=None, cache=False)
+    assert isinstance(result, DigestVerificationResult.Success), str(result)
+    # Format: base64 (standard alphabet, padded) of each file's sha256; symbols.json is covered.
+    files = json.loads((variant / "metadata.json").read_text())["digest"]["files"]
+    assert "symbols.json" in files and "metadata.json" not in files
+    for rel, value in files.items():
         assert value == base64.b64encode(hashlib.sha256((variant / rel).read_bytes()).digest()).decode()
-    # The builds are not signed: verification stops there, as for any unsigned kernel.
-    assert isinstance(verify_variant(variant), VerificationResult.SignatureBundleMissing)
 
     # Also in the cache, where every file is a symlink to a blob.
     snapshot = next((cache / f"kernels--{DEFAULT_REPO_ID.replace('/', '--')}" / "snapshots").iterdir())
@@ -238,6 +249,66 @@ def test_digest_verifies_with_kernels(tree, cache, tmp_path, backend):
     (copy / "extra.py").write_text("x = 1\n")
     with pytest.raises(DigestValidationError):
         md.digest.validate(Digest.hash_variant(md.digest.algorithm, copy))
+    # So is a changed symbols.json (what describe-api reports), through kernels' load-time check.
+    (copy / "extra.py").unlink()
+    assert isinstance(verify_digest(copy, metadata=md, location=None, cache=False), DigestVerificationResult.Success)
+    (copy / "symbols.json").write_text(json.dumps({"schema_version": 1, "functions": [{"name": "evil"}], "layers": []}))
+    result = verify_digest(copy, metadata=md, location=None, cache=False)
+    assert isinstance(result, DigestVerificationResult.DigestVerificationFailure)
+    assert "symbols.json" in str(result)
+
+
+# ---------------------------------------------------------------------------
+# symbols.json and `kernels describe-api`
+
+PACKAGES = {"ragged-dot-tpu": "ragged_dot_tpu", "moe-experts-tpu": "moe_experts_tpu", "attention-tpu": "attention_tpu"}
+
+
+def public_functions_of(package: str) -> list[str]:
+    """The callables (not classes) of a package's __all__, imported from .dev (what ships)."""
+    import importlib
+    import inspect
+
+    module = importlib.import_module(package)
+    return sorted(n for n in module.__all__ if callable(getattr(module, n)) and not inspect.isclass(getattr(module, n)))
+
+
+def test_describe_api_lists_the_public_functions(builds, capsys):
+    from kernels._internals.cli.describe_api import print_kernel_api
+
+    assert sorted(PACKAGES) == sorted(m.name for m in hub.load_manifests())
+    for name, package in PACKAGES.items():
+        want = public_functions_of(package)
+        # Not vacuous: each package's entry points are among them, its constants and classes are not.
+        assert {"ragged-dot-tpu": "ragged_dot", "moe-experts-tpu": "register", "attention-tpu": "attention"}[name] in want
+        assert "NAMESPACE" not in want and "Tiling" not in want
+        for backend in BACKENDS:
+            variant = builds[0] / name / "build" / f"torch-{backend}"
+            print_kernel_api(str(variant), json_output=True)  # what `kernels describe-api --json DIR` prints
+            info = json.loads(capsys.readouterr().out)
+            assert [f["name"] for f in info["functions"]] == want, (name, backend)
+            assert info["layers"] == [] and info["variant"] == f"torch-{backend}"
+
+
+def test_describe_api_command_on_a_built_repo(tree):
+    """The `kernels describe-api` command itself, on a whole repo (it picks this host's variant)."""
+    r = subprocess.run([str(Path(sys.executable).parent / "kernels"), "describe-api", str(tree)],
+                       capture_output=True, text=True, env=hub.script_env(), check=False)
+    assert r.returncode == 0, r.stderr
+    functions = r.stdout.split("Functions:\n", 1)[1].split("\n\n", 1)[0].split()
+    assert functions == public_functions_of(PACKAGE)
+    assert "Variant: torch-cpu" in r.stdout
+
+
+def test_a_tampered_symbols_json_fails_verification(tree, tmp_path):
+    copy = tmp_path / NAME
+    shutil.copytree(tree, copy)
+    path = copy / "build" / "torch-tpu" / "symbols.json"
+    symbols = json.loads(path.read_text())
+    symbols["functions"].append({"name": "exfiltrate"})
+    path.write_text(json.dumps(symbols))
+    r = run_hub("verify", "--tree", str(copy))
+    assert r.returncode == 2 and "build/torch-tpu/symbols.json does not match its digest" in r.stderr, r.stderr
 
 
 @pytest.fixture
@@ -431,7 +502,8 @@ def test_extra_sources_are_copied(tmp_path, monkeypatch):
     monkeypatch.setattr(hub, "REPO_ROOT", manifest.parent.parent)
     m = hub.load_manifest(manifest)
     assert m.repo_id == "tpu-kernel-hub/moe-experts-tpu"
-    files, namespace, ids = hub.plan_repo(m)
+    # functions given: this half-copied package is not importable, which listing them would need.
+    files, namespace, ids = hub.plan_repo(m, functions=[])
     for backend in BACKENDS:
         v = f"build/torch-{backend}/"
         assert files[v + "_gmm/tiling.py"] == (SOURCE_PKG / "gmm" / "tiling.py").read_bytes()
@@ -577,3 +649,16 @@ def test_loads_and_matches_reference(loads, tree, cache, method):
         assert case["dtype"] == "torch.float32", case
         assert case["tail_zero"], case
         assert case["max_err"] is not None and case["max_err"] < 1e-4, case
+
+
+def test_kernels_refuses_to_load_a_changed_file(tampered):
+    """kernels (0.18+) checks the digest when it loads a variant; a local tree has no
+    verification receipt, so it is hashed on every load."""
+    script = ("import pathlib, sys, kernels\n"
+              "try:\n    kernels.get_local_kernel(pathlib.Path(sys.argv[1]))\n"
+              "except RuntimeError as e:\n    print('REFUSED', e)\nelse:\n    print('LOADED')\n")
+    r = subprocess.run([sys.executable, "-c", script, str(tampered)], capture_output=True, text=True,
+                       env=hub.script_env({"HF_HUB_OFFLINE": "1", "LOCAL_KERNELS": None}), check=False, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.startswith("REFUSED"), r.stdout
+    assert "do not match the digest" in r.stdout and "gmm/cpu_native.py" in r.stdout

@@ -30,7 +30,7 @@ def out(tmp_path_factory) -> Path:
 def test_variant_holds_attention_and_common_but_no_dev_tools(out, backend):
     files = tree_bytes(out / NAME / "build" / f"torch-{backend}")
     want = expected_package(PKG, {"common": COMMON})
-    assert sorted(files) == sorted({*want, "_ops.py", "metadata.json"})
+    assert sorted(files) == sorted({*want, "_ops.py", "metadata.json", "symbols.json"})
     assert all(files[rel] == content for rel, content in want.items())
     assert "common/aot.py" not in files
 

@@ -74,7 +74,7 @@ def test_built_variant_copies_shared_sources(out, backend):
     variant = out / MOE / "build" / f"torch-{backend}"
     files = tree_bytes(variant)
     want = expected_package(MOE_PKG, {"common": COMMON, "gmm": SHARED_PKG / "gmm"})
-    assert sorted(files) == sorted({*want, "_ops.py", "metadata.json"})
+    assert sorted(files) == sorted({*want, "_ops.py", "metadata.json", "symbols.json"})
     for rel, content in want.items():
         assert files[rel] == content, rel
     # One _ops.py, this build's namespace, which is not ragged-dot-tpu's.
