@@ -1,4 +1,5 @@
-"""Independent float64 references: plain loops over groups in numpy."""
+"""Independent float64 references: plain loops over groups in numpy (and the
+attention as dense torch ops, for gradients by autograd)."""
 
 import numpy as np
 
@@ -89,6 +90,23 @@ def attention(q, k, v, visible, *, scale, softcap=0.0, sinks=None):
                 w /= w.sum()
                 out[b, h, i] = w[: vis.sum()] @ v[b, kh][vis]
     return out
+
+
+def attention_autograd(q, k, v, sinks, visible, *, softcap, scale):
+    """The attention as differentiable torch ops (float64 leaves give float64
+    gradients), formulated independently of the kernels: K/V repeated, a dense
+    softmax over the scores and the sink column (``sinks [Hq]``; no sink: a
+    large negative one). ``visible`` bool ``[B, 1 or Hq, Sq, Skv]``."""
+    import torch
+
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~visible, float("-inf"))
+    s = torch.cat([s, sinks.view(1, -1, 1, 1).expand(*s.shape[:3], 1)], -1)
+    return torch.softmax(s, -1)[..., :-1] @ v
 
 
 def attention_rule_mask(kv_start, kv_end, sq, skv, *, causal, window):

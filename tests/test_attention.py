@@ -15,7 +15,12 @@ from attention_tpu.common import tpu_generations
 
 SEED = int(os.environ.get("TEST_SEED", np.random.SeedSequence().entropy % (2**31)))
 IMPLS = ["native", "interpret"]
-TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+# Forward rtol = atol, about twice the error of rounding the exact output once to
+# the dtype (bf16 7.8e-3, f16 9.7e-4: bench/attention_dtype_error.py).
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+# Gradients (rtol, atol) of out.square().sum(): float16 gradients are their
+# float32 values rounded once (measured max error 2.9e-2 at gradients up to 68).
+GRAD_TOL = {torch.float32: (1e-4, 1e-5), torch.float16: (2e-3, 2e-3)}
 
 # (batch, q heads, kv heads, Sq, Skv, D, Dv): MHA, GQA, MQA, decode, Dv != D, tails.
 SHAPES = {
@@ -78,14 +83,32 @@ def test_matches_float64_loop(impl, feature, shape):
     _check(got, want, torch.float32, f"{impl} {shape} {feature}")
 
 
+# 16-bit dtypes: every feature on GQA prefill with tails, and decode, a long
+# cache with a window over several key blocks, Dv != D.
+HALF_CASES = [("gqa_prefill_tails", feature) for feature in sorted(FEATURES)] + [
+    ("mqa_decode", "sinks"), ("few_tokens_long_cache", "window"), ("dv_differs", "all")]
+
+
 @pytest.mark.parametrize("impl", IMPLS)
-def test_bf16(impl):
-    q, k, v, sinks = _inputs(SHAPES["gqa_prefill_tails"], torch.bfloat16, seed=3)
-    visible = reference.attention_rule_mask([0, 3], [13, 13], 13, 13, causal=True, window=0)
-    got = attention_tpu.attention(q, k, v, attention_mask=torch.from_numpy(visible), sinks=sinks, impl=impl)
-    want = reference.attention(q.float(), k.float(), v.float(), visible, scale=32 ** -0.5, sinks=sinks.numpy())
-    assert got.dtype == torch.bfloat16
-    _check(got, want, torch.bfloat16, f"{impl} bf16")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("shape,feature", HALF_CASES, ids=[f"{s}-{f}" for s, f in HALF_CASES])
+def test_16_bit_dtypes_match_float64_loop(shape, feature, dtype, impl):
+    """bfloat16 and float16 in, the same dtype out, within about twice the error
+    of rounding the exact attention once (f32 accumulation on every path)."""
+    opts = dict(FEATURES[feature])
+    use_sinks = opts.pop("sinks", False)
+    q, k, v, sinks = _inputs(SHAPES[shape], dtype, seed=3 + len(feature))
+    b, _, _, sq, skv, d, _ = SHAPES[shape]
+    start, end = _padded_ranges(b, skv)
+    visible = reference.attention_rule_mask(start, end, sq, skv, causal=opts.get("causal", True),
+                                            window=opts.get("window", 0))
+    blocks_ = (8, 128) if skv > 128 else None  # several key blocks with a tail
+    got = attention_tpu.attention(q, k, v, attention_mask=torch.from_numpy(visible),
+                                  sinks=sinks if use_sinks else None, block_sizes=blocks_, impl=impl, **opts)
+    want = reference.attention(q.float(), k.float(), v.float(), visible, scale=opts.get("scale", d ** -0.5),
+                               softcap=opts.get("softcap", 0.0), sinks=sinks.numpy() if use_sinks else None)
+    assert got.dtype == dtype and got.shape == (*q.shape[:3], v.shape[-1])
+    _check(got, want, dtype, f"{impl} {dtype} {shape} {feature}")
 
 
 @pytest.mark.parametrize("block_sizes", [(8, 128), (16, 128), (24, 256)])
@@ -448,28 +471,20 @@ def test_bad_input_raises_clear_error(message, make):
 
 
 def _f64_loss(q, k, v, sinks, visible, softcap, scale):
-    """An independent formulation in float64: K/V repeated, a dense softmax with the sink column."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    s = (q @ k.transpose(-1, -2)) * scale
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(~visible, float("-inf"))
-    s = torch.cat([s, sinks.view(1, -1, 1, 1).expand(*s.shape[:3], 1)], -1)
-    p = torch.softmax(s, -1)[..., :-1]
-    return (p @ v).square().sum()
+    return reference.attention_autograd(q, k, v, sinks, visible, softcap=softcap, scale=scale).square().sum()
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("case", [
     ("gqa_prefill_tails", True, 5, 4.0, None),
     ("mqa_decode", True, 0, 0.0, None),
     ("dv_differs", False, 0, 0.0, None),
     ("few_tokens_long_cache", True, 40, 0.0, (8, 128)),  # several key blocks, skipped ones
 ])
-def test_gradients_match_float64_autograd(impl, case):
+def test_gradients_match_float64_autograd(impl, dtype, case):
     shape, causal, window, softcap, block_sizes = case
-    q, k, v, sinks = _inputs(SHAPES[shape], torch.float32, seed=12)
+    q, k, v, sinks = _inputs(SHAPES[shape], dtype, seed=12)
     b, _, _, sq, skv, d, _ = SHAPES[shape]
     start, end = _padded_ranges(b, skv)
     visible = torch.from_numpy(reference.attention_rule_mask(start, end, sq, skv, causal=causal, window=window))
@@ -478,10 +493,12 @@ def test_gradients_match_float64_autograd(impl, case):
                             softcap=softcap, block_sizes=block_sizes, impl=impl).square().sum().backward()
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v, sinks)]
     _f64_loss(*ref_leaves, visible, softcap, d ** -0.5).backward()
+    rtol, atol = GRAD_TOL[dtype]
     for name, got, want in zip("q k v sinks".split(), leaves, ref_leaves):
         assert not torch.isnan(got.grad).any(), f"{impl} d{name}: NaN, seed={SEED}"
-        torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-4, atol=1e-5,
-                                   msg=f"{impl} d{name} seed={SEED}")
+        assert got.grad.dtype == got.dtype  # sinks are float32 whatever the inputs
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=rtol, atol=atol,
+                                   msg=f"{impl} {dtype} d{name} seed={SEED}")
 
 
 @pytest.mark.parametrize("window", [0, 20, 40])

@@ -1,11 +1,14 @@
 """The attention kernel compiles for real TPU generations (libtpu, no TPU attached)
-at the shapes of the models it serves: prefill and decode against static caches."""
+at the shapes of the models it serves: prefill and decode against static caches,
+in bfloat16 and (its bits decoded in the kernel) float16."""
+
+import os
 
 import jax.numpy as jnp
 import pytest
 
 from attention_tpu.attention import blocks, pallas_flash
-from attention_tpu.common import aot, tpu_generations
+from attention_tpu.common import aot, pallas_helpers, tpu_generations
 
 pytest.importorskip("libtpu")
 
@@ -24,12 +27,33 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("generation", GENERATIONS)
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_forward_compiles(generation, case, record_property):
+# float16 compiles (f32 tiles in the kernel) take 3-6x bfloat16's time: CI compiles
+# a decode and a sliding-window prefill with sinks, forward and backward, on
+# v5e, v6e and tpu7x; AOT_ALL_DTYPES=1 compiles float16 at every case and chip.
+FLOAT16_CASES = ["llama3-8b-decode-8k-cache", "gpt-oss-20b-prefill-sliding"]
+FLOAT16_GENERATIONS = ["v5e", "v6e", "tpu7x"]
+ALL_FLOAT16 = os.environ.get("AOT_ALL_DTYPES") == "1"
+
+
+def _params(cases, generations):
+    """(case, generation, dtype): bfloat16 everywhere, float16 as above."""
+    return [(c, g, "bfloat16") for c in cases for g in generations] + [
+        (c, g, "float16") for c in cases for g in generations
+        if ALL_FLOAT16 or (c in FLOAT16_CASES and g in FLOAT16_GENERATIONS)]
+
+
+def _vmem_itemsize(dtype) -> int:
+    """Bytes an element takes in the kernel's VMEM working set (float16 is decoded to f32 there)."""
+    return pallas_helpers.kernel_dtype(dtype).itemsize
+
+
+@pytest.mark.parametrize("case,generation,dtype", _params(sorted(CASES), GENERATIONS))
+def test_forward_compiles(generation, case, dtype, record_property):
     b, hq, hkv, sq, skv, d, window, softcap, sinks = CASES[case]
-    block_q, block_k = blocks.choose_blocks(hq // hkv * sq, skv, head_dim=d, window=window, generation=generation)
-    working_set = blocks.working_set_bytes(block_q, block_k, d, d, 2)
+    itemsize = _vmem_itemsize(dtype)
+    block_q, block_k = blocks.choose_blocks(hq // hkv * sq, skv, head_dim=d, itemsize=itemsize, window=window,
+                                            generation=generation)
+    working_set = blocks.working_set_bytes(block_q, block_k, d, d, itemsize)
     assert working_set <= tpu_generations.get_generation(generation).vmem_budget
     record_property("blocks", (block_q, block_k))
 
@@ -38,7 +62,8 @@ def test_forward_compiles(generation, case, record_property):
         return pallas_flash.flash_attention(q, k, v, bounds, sink[0] if sink else None, causal=True,
                                             window=window, softcap=softcap, generation=generation)
 
-    inputs = [((b, hq, sq, d), jnp.bfloat16), ((b, hkv, skv, d), jnp.bfloat16), ((b, hkv, skv, d), jnp.bfloat16),
+    dt = jnp.dtype(dtype)
+    inputs = [((b, hq, sq, d), dt), ((b, hkv, skv, d), dt), ((b, hkv, skv, d), dt),
               ((b,), jnp.int32), ((b,), jnp.int32)] + ([((hq,), jnp.float32)] if sinks else [])
     aot.compile_for(generation, fn, *inputs)
 
@@ -47,13 +72,14 @@ BACKWARD_CASES = ["llama3-8b-prefill-8k", "gpt-oss-20b-prefill-sliding", "gemma2
                   "gemma4-global-prefill-4k"]
 
 
-@pytest.mark.parametrize("generation", ["v4", "v5e", "v6e", "tpu7x"])
-@pytest.mark.parametrize("case", BACKWARD_CASES)
-def test_backward_compiles(generation, case):
+@pytest.mark.parametrize("case,generation,dtype", _params(BACKWARD_CASES, ["v4", "v5e", "v6e", "tpu7x"]))
+def test_backward_compiles(generation, case, dtype):
     b, hq, hkv, sq, skv, d, window, softcap, sinks = CASES[case]
     rows = hq // hkv * sq
-    block_q, block_k = blocks.choose_backward_blocks(rows, skv, head_dim=d, window=window, generation=generation)
-    assert (blocks.backward_working_set_bytes(block_q, block_k, d, d, 2)
+    itemsize = _vmem_itemsize(dtype)
+    block_q, block_k = blocks.choose_backward_blocks(rows, skv, head_dim=d, itemsize=itemsize, window=window,
+                                                     generation=generation)
+    assert (blocks.backward_working_set_bytes(block_q, block_k, d, d, itemsize)
             <= tpu_generations.get_generation(generation).vmem_budget)
 
     def fn(q, k, v, out, lse, dout, start, end, *sink):
@@ -62,9 +88,9 @@ def test_backward_compiles(generation, case):
                                                      causal=True, window=window, softcap=softcap,
                                                      generation=generation)
 
-    bf16 = jnp.bfloat16
-    inputs = [((b, hq, sq, d), bf16), ((b, hkv, skv, d), bf16), ((b, hkv, skv, d), bf16), ((b, hq, sq, d), bf16),
-              ((b, hkv, rows, 1), jnp.float32), ((b, hq, sq, d), bf16), ((b,), jnp.int32), ((b,), jnp.int32)]
+    dt = jnp.dtype(dtype)
+    inputs = [((b, hq, sq, d), dt), ((b, hkv, skv, d), dt), ((b, hkv, skv, d), dt), ((b, hq, sq, d), dt),
+              ((b, hkv, rows, 1), jnp.float32), ((b, hq, sq, d), dt), ((b,), jnp.int32), ((b,), jnp.int32)]
     aot.compile_for(generation, fn, *(inputs + ([((hq,), jnp.float32)] if sinks else [])))
 
 

@@ -1,7 +1,8 @@
 """attention-tpu inside tiny random Transformers decoders: logits on left-padded
 batches, greedy generation with dynamic and static caches, and a training step's
 gradients, all against `eager`; on the native CPU path and (inference) with the
-Pallas kernel in interpret mode."""
+Pallas kernel in interpret mode. In float16, the logits of every family whose
+Transformers tests were run with our attention forced in (issue 24)."""
 
 import pytest
 import torch
@@ -27,10 +28,25 @@ MODELS = {
                     sliding_window=4, layer_types=["sliding_attention", "full_attention"]),  # sinks, window
 }
 
+# The other families of issue 24, for the float16 test (pad ids inside the tiny vocabulary).
+MORE_FAMILIES = {
+    "mistral": dict(model_type="mistral", sliding_window=4),
+    "qwen2": dict(model_type="qwen2"),
+    "gemma": dict(model_type="gemma"),
+    "gemma3": dict(model_type="gemma3_text", sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+    "phi3": dict(model_type="phi3", pad_token_id=0),
+    "olmo2": dict(model_type="olmo2"),
+    "starcoder2": dict(model_type="starcoder2", sliding_window=4),
+    "cohere2": dict(model_type="cohere2", sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+    "granite": dict(model_type="granite"),
+    "smollm3": dict(model_type="smollm3", pad_token_id=0),
+}
+FAMILIES = {**MODELS, **MORE_FAMILIES}
+
 
 def _model(kind):
     torch.manual_seed(0)
-    config = AutoConfig.for_model(**{**TINY, **MODELS[kind]})
+    config = AutoConfig.for_model(**{**TINY, **FAMILIES[kind]})
     model = AutoModelForCausalLM.from_config(config)
     if kind == "gemma4":  # the mixed head dims the test is about
         assert [layer.self_attn.head_dim for layer in model.model.layers] == [16, 32]
@@ -60,6 +76,30 @@ def test_left_padded_logits_match_eager(kind, impl):
         got = model(input_ids=ids, attention_mask=mask).logits
     valid = mask.bool()  # padded positions are garbage in every implementation
     torch.testing.assert_close(got[valid], want[valid], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", sorted(FAMILIES))
+def test_float16_logits_match_eager(kind):
+    """A float16 model (a float16 checkpoint) with our attention: float16 logits
+    on a left-padded batch, native path and Pallas kernel (interpret), as close
+    to eager's float16 logits as twice eager's own float16 error (its distance
+    to the float32 model), which sets the scale of float16 rounding here."""
+    model = _model(kind)
+    ids, mask = _batch()
+    valid = mask.bool()  # padded positions are garbage in every implementation
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        exact = model(input_ids=ids, attention_mask=mask).logits[valid]
+        model.half()
+        logits = {}
+        for impl in ("eager", NATIVE, INTERPRET):
+            model.set_attn_implementation(impl)
+            logits[impl] = model(input_ids=ids, attention_mask=mask).logits[valid]
+    eager_error = (logits["eager"].float() - exact).abs().max().item()
+    for impl in (NATIVE, INTERPRET):
+        assert logits[impl].dtype == torch.float16
+        torch.testing.assert_close(logits[impl].float(), logits["eager"].float(), rtol=0, atol=2 * eager_error,
+                                   msg=lambda m: f"{kind} {impl}: {m}")
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])

@@ -76,6 +76,25 @@ def test_poisoning_is_active():
     assert np.isnan(np.asarray(out)).all()
 
 
+def test_float16_operands_decode_exactly_in_a_kernel():
+    """Every one of the 65536 float16 bit patterns, carried into a kernel as
+    uint16 and decoded there: the float32 numpy gives, bit for bit (zeros of
+    both signs, subnormals, infinities), and NaN for every NaN."""
+    halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    operand = pallas_helpers.as_kernel_operand(jnp.asarray(halves).reshape(512, 128))
+    assert operand.dtype == jnp.uint16 and pallas_helpers.kernel_dtype(jnp.float16) == jnp.float32
+
+    def decode(x_ref, o_ref):
+        o_ref[...] = pallas_helpers.load(x_ref)
+
+    out = np.asarray(pl.pallas_call(decode, out_shape=jax.ShapeDtypeStruct((512, 128), jnp.float32),
+                                    interpret=pallas_helpers.interpret_params())(operand)).reshape(-1)
+    want = halves.astype(np.float32)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(out), nan)
+    np.testing.assert_array_equal(out[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_forward_f32(layout, kind):

@@ -24,6 +24,7 @@ INTERPRET_LOCK = threading.Lock()
 TORCH_TO_JAX_DTYPE = {
     torch.float32: "float32",
     torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
 }
 
 

@@ -1,6 +1,6 @@
 """In-kernel pieces every Pallas TPU kernel here is built from: the
-f32-accumulating dot, row masks, tail zeroing, Mosaic compiler parameters and
-the poisoning interpreter. Imports jax: import it only on a Pallas path
+f32-accumulating dot, row masks, tail zeroing, float16 operands carried as
+their bits, Mosaic compiler parameters and the poisoning interpreter. Imports jax: import it only on a Pallas path
 (``tile_math`` holds the pure-Python tile arithmetic).
 """
 
@@ -43,6 +43,45 @@ def dot_f32(x, w, contract_x: int, contract_w: int):
         preferred_element_type=jnp.float32,
         precision=lax.Precision.HIGHEST if wide else None,
     )
+
+
+# float16 operands cross into a kernel as their uint16 bits and are decoded to
+# float32 there: Mosaic (libtpu 0.0.52) refuses every float16 vector load
+# ("Invalid vector type for load", v4 to tpu7x, even a plain copy) but loads
+# uint16. The bitcast is free in XLA: HBM and VMEM still hold 2 bytes an element.
+FLOAT16_BITS = jnp.uint16
+
+
+def as_kernel_operand(x):
+    """``x`` as a kernel can load it: float16 as its uint16 bits, anything else unchanged."""
+    return lax.bitcast_convert_type(x, FLOAT16_BITS) if x.dtype == jnp.float16 else x
+
+
+def kernel_dtype(dtype):
+    """The dtype a kernel computes and stores an operand of ``dtype`` in: float32
+    for float16 (decoded by ``load``), else ``dtype`` itself."""
+    return jnp.dtype(jnp.float32) if jnp.dtype(dtype) == jnp.float16 else jnp.dtype(dtype)
+
+
+def load(ref):
+    """``ref[...]``, with float16 bits (``as_kernel_operand``) decoded to float32."""
+    x = ref[...]
+    return float16_bits_to_float32(x) if x.dtype == FLOAT16_BITS else x
+
+
+def float16_bits_to_float32(bits):
+    """The float32 value of IEEE float16 bit patterns, exactly, from integer ops
+    the VPU has: normal numbers re-biased (exponent + 112, mantissa moved up 13
+    bits), subnormals as ``mantissa * 2**-24`` (a normal float32: the TPU
+    flushes float32 subnormals), infinities and NaNs with exponent 255."""
+    h = bits.astype(jnp.int32)
+    magnitude = h & 0x7FFF
+    exponent = magnitude >> 10
+    normal = lax.bitcast_convert_type((magnitude << 13) + (112 << 23), jnp.float32)
+    subnormal = (magnitude & 0x3FF).astype(jnp.float32) * jnp.float32(2.0 ** -24)
+    special = lax.bitcast_convert_type((magnitude << 13) | (0xFF << 23), jnp.float32)
+    value = jnp.where(exponent == 0, subnormal, jnp.where(exponent == 0x1F, special, normal))
+    return jnp.where((h & 0x8000) != 0, -value, value)
 
 
 def compiler_params(generation: str | None, semantics: tuple[str, ...], *, large_vmem: bool = False):

@@ -11,8 +11,10 @@ Rows are the query rows of one KV head's group, flattened (``G * Sq``: see
   only the window's blocks, so short blocks waste the least);
 * prefill otherwise: ``PREFILL_BLOCK`` x ``PREFILL_BLOCK``;
 * ``block_q`` is at most the rows and ``block_k`` all keys when they fit in
-  one block; ``block_k`` is halved (not below ``MIN_BLOCK_K``) until the
-  working set fits the generation's VMEM budget.
+  one block; ``block_k`` is halved (not below ``MIN_BLOCK_K``), then a
+  prefill's ``block_q`` (not below 128), until the working set fits the
+  generation's VMEM budget (the second step only for 4-byte tiles, f32 and
+  float16 decoded to f32, at head_dim 512 on v4's 16 MiB).
 
 Why (``bench/bench_attention_tpu.py``; the TPU estimator, from libtpu's own
 schedule of the kernel, bf16): a grid step costs a fixed ~500-1000 cycles of
@@ -89,8 +91,13 @@ def choose_blocks(rows: int, kv_len: int, *, head_dim: int = 128, v_dim: int | N
         block_q = min(block_q, rows)
     budget = tpu_generations.get_generation(generation).vmem_budget
     v_dim = head_dim if v_dim is None else v_dim
-    while block_k > MIN_BLOCK_K and working_set_bytes(block_q, block_k, head_dim, v_dim, itemsize) > budget:
+    def fits():
+        return working_set_bytes(block_q, block_k, head_dim, v_dim, itemsize) <= budget
+
+    while not fits() and block_k > MIN_BLOCK_K:
         block_k //= 2
+    while not fits() and rows > DECODE_MAX_ROWS and block_q > 128 and block_q % 16 == 0:
+        block_q //= 2
     return block_q, (kv_len if kv_len <= block_k else block_k)
 
 

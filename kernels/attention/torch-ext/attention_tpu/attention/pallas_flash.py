@@ -35,6 +35,12 @@ the log-sum-exp it returns), ``Dv != D``, lengths that are not multiples of
 the blocks (tails masked; padded K/V rows zeroed, since ``0 * NaN`` is NaN).
 Rows that see no key at all come out as zeros.
 
+Dtypes: float32, bfloat16 and float16, accumulated in f32, results in the
+input dtype. float16 enters the kernels as its uint16 bits (Mosaic loads no
+float16 vector) and is decoded to f32 in VMEM (``pallas_helpers.load``): its
+tiles then compute and store as the f32 kernel does (full-precision dots, f32
+blocks sized by the rule), cast back to float16 in XLA.
+
 Backward (``flash_attention_backward``): two kernels from the forward's
 log-sum-exp, one walking key blocks (dk, dv accumulated over the query
 blocks), one walking query blocks (dq), with the same visibility rule and
@@ -54,7 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..common.pallas_helpers import compiler_params, dot_f32, out_struct
+from ..common.pallas_helpers import as_kernel_operand, compiler_params, dot_f32, kernel_dtype, load, out_struct
 from ..common.tile_math import cdiv
 from . import blocks as blocks_lib
 
@@ -229,21 +235,21 @@ def _flash_kernel(table_ref, steps_ref, start_ref, end_ref, q_ref, k_ref, v_ref,
     exp = jnp.exp2 if base2 else jnp.exp
 
     def scores():
-        q = q_ref[...]
+        q = load(q_ref)
         if base2:
             q = (q.astype(jnp.float32) * (scale * LOG2_E)).astype(q.dtype)
-            return dot_f32(q, k_ref[...], 1, 1)  # [block_q, block_k]
-        s = dot_f32(q, k_ref[...], 1, 1) * scale
+            return dot_f32(q, load(k_ref), 1, 1)  # [block_q, block_k]
+        s = dot_f32(q, load(k_ref), 1, 1) * scale
         return softcap * jnp.tanh(s / softcap)
 
     @pl.when(live & whole)
     def _interior():  # every row sees every key of the block: no mask at all
-        _online_softmax_step(scores(), v_ref[...], m_ref, l_ref, acc_ref, masked=False, exp=exp)
+        _online_softmax_step(scores(), load(v_ref), m_ref, l_ref, acc_ref, masked=False, exp=exp)
 
     def edge(lo, hi):
         keys = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
         s = jnp.where((keys >= lo) & (keys < hi), scores(), -jnp.inf)
-        v = v_ref[...]
+        v = load(v_ref)
         if skv % block_k:  # the tail block holds rows past Skv: garbage, zeroed (0 * NaN is NaN)
             key_rows = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
             v = jnp.where(key_rows < skv, v.astype(jnp.float32), 0.0).astype(v.dtype)
@@ -283,7 +289,7 @@ def _shapes_and_blocks(rule, q, v, block_sizes, causal, window, generation):
     batch, hq, sq, d = q.shape
     _, hkv, skv, dv = v.shape
     rows = hq // hkv * sq
-    chosen = block_sizes or rule(rows, skv, head_dim=d, v_dim=dv, itemsize=q.dtype.itemsize,
+    chosen = block_sizes or rule(rows, skv, head_dim=d, v_dim=dv, itemsize=kernel_dtype(q.dtype).itemsize,
                                  window=window if causal else 0, generation=generation)
     return batch, hq, hkv, sq, skv, d, dv, rows, tuple(chosen)
 
@@ -430,8 +436,8 @@ def flash_attention_with_lse(q, k, v, key_bounds, sinks=None, *, causal: bool = 
     kernel = functools.partial(_flash_kernel, block_q=block_q, block_k=block_k, skv=skv, softcap=float(softcap),
                                scale=float(scale), num_q_blocks=plan.num_q_blocks,
                                rule=_Rule(block_q, sq, skv, causal, window))
-    # One split: the final output in q's dtype; several: f32 partials to merge.
-    out_dtype = q.dtype if splits == 1 else jnp.float32
+    # One split: the final output in the kernel's dtype of q; several: f32 partials to merge.
+    out_dtype = kernel_dtype(q.dtype) if splits == 1 else jnp.float32
     operands = (q, k, v, key_bounds)
     out, lse = pl.pallas_call(
         kernel,
@@ -453,7 +459,7 @@ def flash_attention_with_lse(q, k, v, key_bounds, sinks=None, *, causal: bool = 
         compiler_params=compiler_params(generation, ("parallel",) * 4 + ("arbitrary",)),
         interpret=interpret,
         name="flash_attention_fwd",
-    )(table, per_split.reshape(1), start, end, q.reshape(batch, hkv, rows, d), k, v, bounds)
+    )(table, per_split.reshape(1), start, end, *map(as_kernel_operand, (q.reshape(batch, hkv, rows, d), k, v)), bounds)
     if splits == 1:
         out, lse = out[:, :, 0], lse[:, :, 0]
     else:
@@ -639,17 +645,17 @@ def _dkv_kernel(table_ref, q_range_ref, start_ref, end_ref, q_ref, k_ref, v_ref,
         dv_acc[...] = jnp.zeros_like(dv_acc)
 
     def accumulate(bounds):  # bounds: (lo, hi) columns of a masked tile, None for a whole one
-        q, do, delta = q_ref[...], do_ref[...], delta_ref[...]
+        q, do, delta = load(q_ref), load(do_ref), delta_ref[...]
         if bounds is not None:
             if rows % block_q:  # padding rows: garbage in q, dO and delta would reach dk through 0 * NaN
                 q, do, delta = (_zero_rows_past(x, q_block * block_q, rows) for x in (q, do, delta))
             lo, hi = bounds
             row = q_block * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
             bounds = lo, jnp.where(row < rows, hi, lo)  # padding rows see nothing
-        p, t = _recompute(q, k_ref[...], lse_ref[...], bounds=bounds, kv_block=kv_block, block_k=block_k,
+        p, t = _recompute(q, load(k_ref), lse_ref[...], bounds=bounds, kv_block=kv_block, block_k=block_k,
                           softcap=softcap, scale=scale)
         dv_acc[...] += dot_f32(p.astype(do.dtype), do, 0, 0)
-        ds = _logit_grads(do, v_ref[...], delta, p, t)
+        ds = _logit_grads(do, load(v_ref), delta, p, t)
         dk_acc[...] += dot_f32(ds.astype(q.dtype), q, 0, 0)
 
     pl.when(live & whole)(lambda: accumulate(None))
@@ -675,12 +681,12 @@ def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
         dq_acc[...] = jnp.zeros_like(dq_acc)
 
     def accumulate(bounds):  # bounds: (lo, hi) columns of a masked tile, None for a whole one
-        k, v = k_ref[...], v_ref[...]
+        k, v = load(k_ref), load(v_ref)
         if bounds is not None and skv % block_k:
             k, v = _zero_rows_past(k, kv_block * block_k, skv), _zero_rows_past(v, kv_block * block_k, skv)
-        p, t = _recompute(q_ref[...], k, lse_ref[...], bounds=bounds, kv_block=kv_block, block_k=block_k,
+        p, t = _recompute(load(q_ref), k, lse_ref[...], bounds=bounds, kv_block=kv_block, block_k=block_k,
                           softcap=softcap, scale=scale)
-        ds = _logit_grads(do_ref[...], v, delta_ref[...], p, t)
+        ds = _logit_grads(load(do_ref), v, delta_ref[...], p, t)
         dq_acc[...] += dot_f32(ds.astype(k.dtype), k, 1, 0)
 
     pl.when(live & whole)(lambda: accumulate(None))
@@ -739,7 +745,8 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
     kv_at = lambda b, h, kb, head, step, *_: (b, h, kb, 0)  # noqa: E731
     dk, dv_ = pl.pallas_call(
         functools.partial(_dkv_kernel, num_kv_blocks=num_kv_blocks, walk=walk, **common),
-        out_shape=(out_struct(k.shape, k.dtype, *operands), out_struct(v.shape, v.dtype, *operands)),
+        out_shape=(out_struct(k.shape, kernel_dtype(k.dtype), *operands),
+                   out_struct(v.shape, kernel_dtype(v.dtype), *operands)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4, grid=(batch, hkv, num_kv_blocks, walk.heads, walk_steps),
             in_specs=[pl.BlockSpec((None, None, block_q, d), q_at), pl.BlockSpec((None, None, block_k, d), kv_at),
@@ -752,7 +759,7 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
         compiler_params=compiler_params(generation, semantics + ("arbitrary",)),
         interpret=interpret,
         name="flash_attention_bwd_dkv",
-    )(table, q_range, start, end, q_rows, k, v, do_rows, lse, delta, bounds)
+    )(table, q_range, start, end, *map(as_kernel_operand, (q_rows, k, v, do_rows)), lse, delta, bounds)
 
     # dq: each query block walks the key blocks it sees (skipped ones re-use the resident block).
     where = dict(num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks)
@@ -764,7 +771,7 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
     row_block = lambda b, h, qb, step, *_: (b, h, qb, 0)  # noqa: E731
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, skv=skv, **common),
-        out_shape=out_struct(q_rows.shape, q.dtype, *operands),
+        out_shape=out_struct(q_rows.shape, kernel_dtype(q.dtype), *operands),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3, grid=(batch, hkv, num_q_blocks, kv_walk),
             in_specs=[pl.BlockSpec((None, None, block_q, d), row_block),
@@ -780,5 +787,6 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
         compiler_params=compiler_params(generation, semantics),
         interpret=interpret,
         name="flash_attention_bwd_dq",
-    )(table, start, end, q_rows, k, v, do_rows, lse, delta, bounds)
-    return dq.reshape(q.shape), dk, dv_, d_sinks
+    )(table, start, end, *map(as_kernel_operand, (q_rows, k, v, do_rows)), lse, delta, bounds)
+    # float16 operands: the kernels computed and stored float32 (see pallas_helpers.load).
+    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv_.astype(v.dtype), d_sinks

@@ -9,7 +9,7 @@ import torch
 from ..common import validation
 
 FUNCTION = "attention"
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _fail(message: str, error: type[Exception] = ValueError):
