@@ -5,7 +5,7 @@ JAX's flash attention on the same shapes, and the block plan behind ours.
 
 Per case and generation (bf16, batch 1 unless named):
 
-* ours: ``pallas_flash.flash_attention`` with the block rule of ``blocks.py``;
+* ours: ``flash_forward.flash_attention`` with the block rule of ``blocks.py``;
 * splash: ``jax.experimental.pallas.ops.tpu.splash_attention``, GQA as its MQA
   kernel vmapped over KV heads (how MaxText calls it), causal / local masks
   with the decode offset, 512 x 512 blocks, backward ones too (``block_kv_compute = block_kv``: the
@@ -76,11 +76,11 @@ def roofline_inputs(b, hq, hkv, sq, filled, d, window):
 
 
 def ours(generation, b, hq, hkv, sq, skv, filled, d, window):
-    from attention_tpu.attention import pallas_flash
+    from attention_tpu.attention import flash_forward, key_ranges
 
     def fn(q, k, v, start, end):
-        bounds = pallas_flash.rule_key_bounds(start, end, sq=sq, skv=skv, causal=True, window=window)
-        return pallas_flash.flash_attention(q, k, v, bounds, causal=True, window=window, generation=generation)
+        bounds = key_ranges.rule_key_bounds(start, end, sq=sq, skv=skv, causal=True, window=window)
+        return flash_forward.flash_attention(q, k, v, bounds, causal=True, window=window, generation=generation)
 
     return fn, _qkv(b, hq, hkv, sq, skv, d) + (np.zeros(b, np.int32), np.full(b, filled, np.int32))
 
@@ -148,14 +148,15 @@ def training(make):
 
         fn, args = made
         if make is ours:
-            from attention_tpu.attention import pallas_flash
+            from attention_tpu.attention import flash_backward, flash_forward, key_ranges
 
             def step(q, k, v, start, end):
-                bounds = pallas_flash.rule_key_bounds(start, end, sq=sq, skv=skv, causal=True, window=window)
-                out, lse = pallas_flash.flash_attention_with_lse(q, k, v, bounds, causal=True, window=window,
-                                                                 generation=generation)
-                return pallas_flash.flash_attention_backward(q, k, v, out, lse, jnp.ones_like(out), bounds,
-                                                             causal=True, window=window, generation=generation)[:3]
+                bounds = key_ranges.rule_key_bounds(start, end, sq=sq, skv=skv, causal=True, window=window)
+                out, lse = flash_forward.flash_attention_with_lse(q, k, v, bounds, causal=True, window=window,
+                                                                  generation=generation)
+                return flash_backward.flash_attention_backward(q, k, v, out, lse, jnp.ones_like(out), bounds,
+                                                               causal=True, window=window,
+                                                               generation=generation)[:3]
             return step, args
         return jax.grad(lambda q, k, v: fn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)), args
 
@@ -168,12 +169,13 @@ TRAINING = {name: training(CONTENDERS[name]) for name in ("ours", "splash")}
 
 
 def block_plan_row(label, b, hq, hkv, sq, skv, filled, d, window, generation):
-    from attention_tpu.attention import blocks, pallas_flash
+    from attention_visit_plan import kv_block_plan
+    from attention_tpu.attention import blocks
 
     rows = hq // hkv * sq
     block_q, block_k = blocks.choose_blocks(rows, skv, head_dim=d, window=window, generation=generation)
-    plan = pallas_flash.kv_block_plan([0], [filled], rows=rows, sq=sq, skv=skv, causal=True, window=window,
-                                      head_dim=d, generation=generation)
+    plan = kv_block_plan([0], [filled], rows=rows, sq=sq, skv=skv, causal=True, window=window, head_dim=d,
+                         generation=generation)
     return {"case": label, "generation": generation, "blocks (q, k)": (block_q, block_k),
             "VMEM working set (MiB)": blocks.working_set_bytes(block_q, block_k, d, d, 2) / 2**20,
             "grid steps / dense": plan.grid_steps / plan.dense, "steps computed / dense": plan.live / plan.dense,

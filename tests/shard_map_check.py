@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import reference  # noqa: E402
-from attention_tpu.attention import pallas_flash  # noqa: E402
+from attention_tpu.attention import flash_backward, flash_forward, key_ranges  # noqa: E402
 from moe_experts_tpu.experts import pallas_fused_experts  # noqa: E402
 from ragged_dot_tpu.common.pallas_helpers import interpret_params  # noqa: E402
 from ragged_dot_tpu.gmm import pallas_gmm  # noqa: E402
@@ -103,10 +103,10 @@ start, end = np.array([0, 2], np.int32), np.array([11, 11], np.int32)
 
 
 def tp_attention(q, k, v, s, t):
-    bounds = pallas_flash.rule_key_bounds(s, t, sq=q.shape[2], skv=k.shape[2], causal=True, window=0)
-    out, lse = pallas_flash.flash_attention_with_lse(q, k, v, bounds, causal=True, interpret=interpret)
-    grads = pallas_flash.flash_attention_backward(q, k, v, out, lse, jnp.ones_like(out), bounds, causal=True,
-                                                  interpret=interpret)
+    bounds = key_ranges.rule_key_bounds(s, t, sq=q.shape[2], skv=k.shape[2], causal=True, window=0)
+    out, lse = flash_forward.flash_attention_with_lse(q, k, v, bounds, causal=True, interpret=interpret)
+    grads = flash_backward.flash_attention_backward(q, k, v, out, lse, jnp.ones_like(out), bounds, causal=True,
+                                                    interpret=interpret)
     return out, grads[0]
 
 

@@ -2,6 +2,8 @@
 against a float64 loop, masks and block skipping, the torch op, errors."""
 
 import os
+import pathlib
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -10,8 +12,12 @@ import torch
 
 import attention_tpu
 import reference
-from attention_tpu.attention import blocks, masks, pallas_flash
+from attention_tpu.attention import blocks, flash_forward, masks
+from attention_tpu.attention import key_ranges as kr
 from attention_tpu.common import tpu_generations
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+from attention_visit_plan import kv_block_plan  # noqa: E402
 
 SEED = int(os.environ.get("TEST_SEED", np.random.SeedSequence().entropy % (2**31)))
 IMPLS = ["native", "interpret"]
@@ -188,21 +194,21 @@ def test_visit_table_matches_the_dense_mask(trial):
     else:
         start = rng.integers(0, skv, b).astype(np.int32)
         end = np.minimum(skv, start + rng.integers(0, skv, b)).astype(np.int32)
-        bounds = pallas_flash.rule_key_bounds(start, end, sq=sq, skv=skv, causal=causal, window=window)
+        bounds = kr.rule_key_bounds(start, end, sq=sq, skv=skv, causal=causal, window=window)
         visible = reference.attention_rule_mask(start, end, sq, skv, causal=causal, window=window)
     rows = group * sq
-    start, end, fits = pallas_flash.rule_fit(jnp.asarray(bounds), sq=sq, skv=skv, causal=causal, window=window)
-    table = np.asarray(pallas_flash.visit_table(pallas_flash.row_bounds(bounds, group),
-                                                num_q_blocks=-(-rows // block_q), block_q=block_q, block_k=block_k,
-                                                rows=rows, fits=jnp.tile(fits, (1, group))))
-    table = table.reshape(b, -1, pallas_flash.TABLE_COLUMNS)
+    start, end, fits = kr.rule_fit(jnp.asarray(bounds), sq=sq, skv=skv, causal=causal, window=window)
+    table = np.asarray(kr.visit_table(kr.row_bounds(bounds, group),
+                                      num_q_blocks=-(-rows // block_q), block_q=block_q, block_k=block_k,
+                                      rows=rows, fits=jnp.tile(fits, (1, group))))
+    table = table.reshape(b, -1, kr.TABLE_COLUMNS)
     want = _brute_force_table(visible, rows=rows, skv=skv, block_q=block_q, block_k=block_k)
     # The rule the kernel rebuilds from iotas where a block's RULE entry is set.
     by_rule = np.concatenate([reference.attention_rule_mask(np.asarray(start), np.asarray(end), sq, skv,
                                                             causal=causal, window=window)[:, 0]] * group, axis=1)
     by_row = np.concatenate([visible[:, 0]] * group, axis=1)
     for (bi, qb), (first, last, full_first, full_last, rule), (seen, whole) in zip(
-            np.ndindex(table.shape[:2]), table.reshape(-1, pallas_flash.TABLE_COLUMNS), want):
+            np.ndindex(table.shape[:2]), table.reshape(-1, kr.TABLE_COLUMNS), want):
         if seen:
             assert (first, last) == (seen[0], seen[-1]), (first, last, seen)
         else:
@@ -258,7 +264,7 @@ def test_arbitrary_ranges_are_exact_even_against_the_window_hint():
     rng = np.random.default_rng(SEED + 17)
     q, k, v, _ = _inputs((2, 4, 2, 256, 300, 16, 16), torch.float32, seed=17)
     visible = torch.from_numpy(_ranges_mask(_random_ranges(rng, 2, 256, 300), 300))
-    walk = pallas_flash._query_walk(16, group=2, block_q=32, block_k=128, sq=256, causal=True, window=8)
+    walk = kr.query_walk(16, group=2, block_q=32, block_k=128, sq=256, causal=True, window=8)
     assert walk.relative  # the dk/dv kernel takes its window walk
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = attention_tpu.attention(*leaves, attention_mask=visible, window=8, block_sizes=(32, 128), impl="interpret")
@@ -276,8 +282,7 @@ def test_sliding_window_grid_walks_only_the_window():
     from each query block's first visible block; numerics unchanged."""
     q, k, v, _ = _inputs((2, 4, 2, 64, 1100, 16, 16), torch.float32, seed=13)
     start, end = np.array([0, 100], np.int32), np.array([1100, 1000], np.int32)
-    plan = pallas_flash.kv_block_plan(start, end, rows=128, sq=64, skv=1100, causal=True, window=100,
-                                      block_sizes=(32, 128))
+    plan = kv_block_plan(start, end, rows=128, sq=64, skv=1100, causal=True, window=100, block_sizes=(32, 128))
     assert plan.grid_steps <= plan.dense // 3 and plan.live <= plan.grid_steps
     visible = reference.attention_rule_mask(start, end, 64, 1100, causal=True, window=100)
     got = attention_tpu.attention(q, k, v, attention_mask=torch.from_numpy(visible), window=100,
@@ -379,9 +384,9 @@ def test_ranges_outside_the_keys_are_clipped_not_read():
 
     wide = np.array([[[-5, 205], [-1, 3], [150, 900], [7, 7]]], np.int32)
     clipped = np.clip(wide, 0, 200)
-    outs = [np.asarray(pallas_flash.flash_attention(*(jax_bridge.to_jax(t) for t in (q, k, v)), bounds,
-                                                    causal=False, block_sizes=(8, 128),
-                                                    interpret=pallas_helpers.interpret_params()))
+    outs = [np.asarray(flash_forward.flash_attention(*(jax_bridge.to_jax(t) for t in (q, k, v)), bounds,
+                                                     causal=False, block_sizes=(8, 128),
+                                                     interpret=pallas_helpers.interpret_params()))
             for bounds in (wide, clipped)]
     want = reference.attention(q, k, v, _ranges_mask(clipped, 200), scale=0.25)
     np.testing.assert_allclose(outs[0], want, rtol=2e-5, atol=2e-5)
@@ -395,8 +400,8 @@ def test_ranges_outside_the_keys_are_clipped_not_read():
 ])
 def test_masked_blocks_cost_no_compute_and_no_dma(sq, skv, causal, window, live_at_most):
     kv_end = 1000 if sq == 1 else skv
-    plan = pallas_flash.kv_block_plan([0], [kv_end], rows=4 * sq, sq=sq, skv=skv, causal=causal, window=window,
-                                      block_sizes=(min(4 * sq, 512), 512))
+    plan = kv_block_plan([0], [kv_end], rows=4 * sq, sq=sq, skv=skv, causal=causal, window=window,
+                         block_sizes=(min(4 * sq, 512), 512))
     assert plan.live <= live_at_most * plan.dense
     assert plan.fetched <= plan.live + 1  # a skipped step re-uses the block in VMEM
     if window:  # the grid itself spans only the window's blocks
@@ -441,6 +446,27 @@ def test_block_rule_and_overrides():
         attention_tpu.attention(q, k, v, block_sizes=(8, 100), impl="interpret")
     with pytest.raises(ValueError, match="block_q must be a multiple of 8"):
         attention_tpu.attention(q, k, v, block_sizes=(5, 128), impl="interpret")
+
+
+def test_block_sizes_are_checked_where_the_kernels_are_entered():
+    """Direct kernel calls (no torch op in between) refuse illegal blocks as the op does."""
+    import dataclasses
+
+    from attention_tpu.attention import flash_backward
+
+    with pytest.raises(ValueError, match="block_q must be a positive int"):
+        blocks.BlockSizes(0, 128)
+    with pytest.raises(ValueError, match="a \\(block_q, block_k\\) pair"):
+        blocks.BlockSizes.of((8,))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        blocks.BlockSizes(8, 128).block_q = 16
+    q = jnp.zeros((1, 2, 9, 16), jnp.float32)
+    bounds = kr.rule_key_bounds([0], [9], sq=9, skv=9, causal=True, window=0)
+    with pytest.raises(ValueError, match="block_q must be a multiple of 8"):
+        flash_forward.flash_attention(q, q, q, bounds, block_sizes=(5, 128))
+    lse = jnp.zeros((1, 2, 9, 1), jnp.float32)
+    with pytest.raises(ValueError, match="block_k must be a multiple of 128"):
+        flash_backward.flash_attention_backward(q, q, q, q, lse, q, bounds, block_sizes=(8, 100))
 
 
 BAD = [
@@ -509,11 +535,10 @@ def test_gradients_over_many_blocks_and_window_walks(window):
     grids shorter than dense). Gradients equal float64 autograd."""
     q, k, v, sinks = _inputs((2, 4, 2, 256, 256, 16, 16), torch.float32, seed=15)
     start, end = np.array([0, 30], np.int32), np.array([256, 256], np.int32)
-    walk = pallas_flash._query_walk(16, group=2, block_q=32, block_k=128, sq=256, causal=True, window=window)
-    bounds = pallas_flash.row_bounds(pallas_flash.rule_key_bounds(start, end, sq=256, skv=256, causal=True,
-                                                                  window=window), 2)
-    table = pallas_flash.visit_table(bounds, num_q_blocks=16, block_q=32, block_k=128, rows=512)
-    _, steps = pallas_flash._walk_plan(table, walk, num_q_blocks=16, num_kv_blocks=2)
+    walk = kr.query_walk(16, group=2, block_q=32, block_k=128, sq=256, causal=True, window=window)
+    bounds = kr.row_bounds(kr.rule_key_bounds(start, end, sq=256, skv=256, causal=True, window=window), 2)
+    table = kr.visit_table(bounds, num_q_blocks=16, block_q=32, block_k=128, rows=512)
+    _, steps = kr.walk_plan(table, walk, num_q_blocks=16, num_kv_blocks=2)
     assert walk.relative == bool(window) and (not window or int(steps) < walk.blocks_per_head)
     visible = torch.from_numpy(reference.attention_rule_mask(start, end, 256, 256, causal=True, window=window))
     leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]

@@ -7,7 +7,7 @@ import os
 import jax.numpy as jnp
 import pytest
 
-from attention_tpu.attention import blocks, pallas_flash
+from attention_tpu.attention import blocks, flash_backward, flash_forward, key_ranges
 from attention_tpu.common import aot, pallas_helpers, tpu_generations
 
 pytest.importorskip("libtpu")
@@ -58,9 +58,9 @@ def test_forward_compiles(generation, case, dtype, record_property):
     record_property("blocks", (block_q, block_k))
 
     def fn(q, k, v, start, end, *sink):
-        bounds = pallas_flash.rule_key_bounds(start, end, sq=sq, skv=skv, causal=True, window=window)
-        return pallas_flash.flash_attention(q, k, v, bounds, sink[0] if sink else None, causal=True,
-                                            window=window, softcap=softcap, generation=generation)
+        bounds = key_ranges.rule_key_bounds(start, end, sq=sq, skv=skv, causal=True, window=window)
+        return flash_forward.flash_attention(q, k, v, bounds, sink[0] if sink else None, causal=True,
+                                             window=window, softcap=softcap, generation=generation)
 
     dt = jnp.dtype(dtype)
     inputs = [((b, hq, sq, d), dt), ((b, hkv, skv, d), dt), ((b, hkv, skv, d), dt),
@@ -83,10 +83,10 @@ def test_backward_compiles(generation, case, dtype):
             <= tpu_generations.get_generation(generation).vmem_budget)
 
     def fn(q, k, v, out, lse, dout, start, end, *sink):
-        bounds = pallas_flash.rule_key_bounds(start, end, sq=sq, skv=skv, causal=True, window=window)
-        return pallas_flash.flash_attention_backward(q, k, v, out, lse, dout, bounds, sink[0] if sink else None,
-                                                     causal=True, window=window, softcap=softcap,
-                                                     generation=generation)
+        bounds = key_ranges.rule_key_bounds(start, end, sq=sq, skv=skv, causal=True, window=window)
+        return flash_backward.flash_attention_backward(q, k, v, out, lse, dout, bounds, sink[0] if sink else None,
+                                                       causal=True, window=window, softcap=softcap,
+                                                       generation=generation)
 
     dt = jnp.dtype(dtype)
     inputs = [((b, hq, sq, d), dt), ((b, hkv, skv, d), dt), ((b, hkv, skv, d), dt), ((b, hq, sq, d), dt),
@@ -96,7 +96,7 @@ def test_backward_compiles(generation, case, dtype):
 
 def test_f32_and_odd_shapes_compile():
     def fn(q, k, v, bounds):
-        return pallas_flash.flash_attention(q, k, v, bounds, causal=True, window=7, generation="v5e")
+        return flash_forward.flash_attention(q, k, v, bounds, causal=True, window=7, generation="v5e")
 
     aot.compile_for("v5e", fn, ((2, 6, 77, 80), jnp.float32), ((2, 3, 300, 80), jnp.float32),
                     ((2, 3, 300, 48), jnp.float32), ((2, 77, 2), jnp.int32))
@@ -107,8 +107,8 @@ def test_split_kv_decode_compiles(generation):
     """One MQA decode stream (a single parallel (batch, head) pair): the keys split
     in two parts merged after the kernel, the rule's choice on megacore v5p."""
     def fn(q, k, v, start, end):
-        bounds = pallas_flash.rule_key_bounds(start, end, sq=1, skv=32768, causal=True, window=0)
-        return pallas_flash.flash_attention(q, k, v, bounds, causal=True, kv_splits=2, generation=generation)
+        bounds = key_ranges.rule_key_bounds(start, end, sq=1, skv=32768, causal=True, window=0)
+        return flash_forward.flash_attention(q, k, v, bounds, causal=True, kv_splits=2, generation=generation)
 
     assert blocks.choose_kv_splits(1, 1, 8, generation) == (2 if generation == "v5p" else 1)
     aot.compile_for(generation, fn, ((1, 8, 1, 128), jnp.bfloat16), ((1, 1, 32768, 128), jnp.bfloat16),

@@ -2,7 +2,7 @@
 (pure Python).
 
 Rows are the query rows of one KV head's group, flattened (``G * Sq``: see
-``pallas_flash``). Forward rule:
+``flash_forward``). Forward rule:
 
 * decode, rows <= ``DECODE_MAX_ROWS`` (one token of G heads is a G-row block,
   never a padded 128-row one): ``block_q`` = all rows, ``block_k`` =
@@ -64,11 +64,13 @@ parallel work is a single (batch, head) pair would leave one TensorCore idle;
 the keys are split in one part per TensorCore and the partial softmaxes
 merged. On single-core chips a split only adds the merge: one part.
 
-Callers may pass their own sizes (``block_sizes=``, checked by
-``check_blocks``) and splits (``kv_splits=``).
+Callers may pass their own sizes (``block_sizes=``, a pair or a ``BlockSizes``,
+checked where the kernels are entered) and splits (``kv_splits=``).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from ..common import tpu_generations
 
@@ -140,15 +142,41 @@ def choose_kv_splits(parallel_units: int, num_q_blocks: int, num_kv_blocks: int,
     return min(cores, num_kv_blocks)
 
 
-def check_blocks(block_q: int, block_k: int, rows: int, kv_len: int) -> None:
-    """TPU block legality: rows a multiple of 8 or all of them; keys a multiple of 128 or all."""
-    for name, value in (("block_q", block_q), ("block_k", block_k)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"attention: {name} must be a positive int, got {value!r}")
-    if block_q % 8 and block_q != rows:
-        raise ValueError(f"attention: block_q must be a multiple of 8 or all {rows} rows, got {block_q}")
-    if block_k % 128 and block_k != kv_len:
-        raise ValueError(f"attention: block_k must be a multiple of 128 or all {kv_len} keys, got {block_k}")
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """``(block_q, block_k)`` of one kernel call: positive ints, checked on
+    creation; ``check_fits`` checks TPU legality against the call's rows and
+    keys, where every path enters the kernels (and in the op, on the host).
+    Unpacks as a pair."""
+    block_q: int
+    block_k: int
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"attention: {name} must be a positive int, got {value!r}")
+
+    @classmethod
+    def of(cls, sizes) -> "BlockSizes":
+        """``sizes`` as ``BlockSizes``: one already, or a ``(block_q, block_k)`` pair."""
+        if isinstance(sizes, cls):
+            return sizes
+        if not isinstance(sizes, (tuple, list)) or len(sizes) != 2:
+            raise ValueError(f"attention: block_sizes must be a (block_q, block_k) pair, got {sizes!r}")
+        return cls(*sizes)
+
+    def check_fits(self, rows: int, kv_len: int) -> "BlockSizes":
+        """``self`` if legal for ``rows`` query rows and ``kv_len`` keys: rows a
+        multiple of 8 or all of them; keys a multiple of 128 or all."""
+        if self.block_q % 8 and self.block_q != rows:
+            raise ValueError(f"attention: block_q must be a multiple of 8 or all {rows} rows, got {self.block_q}")
+        if self.block_k % 128 and self.block_k != kv_len:
+            raise ValueError(f"attention: block_k must be a multiple of 128 or all {kv_len} keys, got {self.block_k}")
+        return self
+
+    def __iter__(self):
+        return iter((self.block_q, self.block_k))
 
 
 def check_kv_splits(kv_splits: int) -> None:

@@ -6,7 +6,8 @@ dense tensor. Every mask Transformers builds for a decoder is such a range
 per row: causal, sliding windows, padding on either side, a static cache,
 packed sequences (each query sees its own document's keys). Without a mask
 the ranges come from the rule (``rule_key_bounds``: every key, queries
-aligned to the end of the keys, ``causal`` and ``window`` on positions).
+aligned to the end of the keys, ``causal`` and ``window`` on positions),
+written once in ``key_ranges.rule_range`` for this side, XLA and the kernels.
 
 A dense boolean mask (``[B, 1 or H, Sq, Skv]``, True = attend) is turned into
 ranges once per call; ``check_expressible`` refuses a mask whose rows are not
@@ -19,20 +20,19 @@ from __future__ import annotations
 
 import torch
 
+from . import key_ranges
+
 FUNCTION = "attention"
 
 
 def rule_key_bounds(kv_start: torch.Tensor, kv_end: torch.Tensor, sq: int, skv: int, *, causal: bool,
                     window: int) -> torch.Tensor:
-    """int32 ``[B, Sq, 2]``: keys ``[kv_start, kv_end)``, query ``i`` at position
-    ``p = kv_end - Sq + i``; ``causal`` keeps keys ``<= p``, a ``window`` keys
-    ``> p - window`` (``hi <= lo``: the query sees no key)."""
+    """int32 ``[B, Sq, 2]``: the rule's range (``key_ranges.rule_range``) of each
+    query ``i``, at position ``p = kv_end - Sq + i`` (``hi <= lo``: it sees no key)."""
     start, end = kv_start.view(-1, 1).int(), kv_end.view(-1, 1).int()
     pos = end - sq + torch.arange(sq, device=kv_start.device, dtype=torch.int32)
-    hi = torch.clamp(end, max=skv).expand_as(pos)
-    hi = torch.minimum(hi, pos + 1) if causal else hi
-    lo = torch.maximum(start, pos - window + 1) if window else start.expand_as(pos)
-    return torch.stack([lo, hi], dim=-1).to(torch.int32)
+    lo, hi = key_ranges.rule_range(start, end, pos, skv=skv, causal=causal, window=window, clip=torch.clamp)
+    return torch.stack([lo.expand_as(pos), hi.expand_as(pos)], dim=-1).to(torch.int32)
 
 
 def bounds_mask(bounds: torch.Tensor, skv: int) -> torch.Tensor:

@@ -50,7 +50,8 @@ def _kernel_kwargs(causal, window, softcap, scale, block_q, block_k, kv_splits, 
 
 def _run_interpreted(kernel, tensors, static):
     backward = kernel == "flash_attention_backward"
-    return jax_bridge.run_interpreted(FUNCTION, (f"{__package__}.pallas_flash", kernel), tensors,
+    module = "flash_backward" if backward else "flash_forward"
+    return jax_bridge.run_interpreted(FUNCTION, (f"{__package__}.{module}", kernel), tensors,
                                       _kernel_kwargs(**static, backward=backward),
                                       cpu_alternative="call attention(..., impl='native') on CPU")
 
@@ -75,17 +76,17 @@ def _fake_flash_bwd(q, k, v, out, lse, dout, key_bounds, sinks, **static):
 
 
 def _tpu_flash(q, k, v, key_bounds, sinks, generation, **static):
-    from . import pallas_flash
+    from . import flash_forward
 
-    return pallas_flash.flash_attention_with_lse(q, k, v, key_bounds, sinks, generation=generation,
-                                                 **_kernel_kwargs(**static))
+    return flash_forward.flash_attention_with_lse(q, k, v, key_bounds, sinks, generation=generation,
+                                                  **_kernel_kwargs(**static))
 
 
 def _tpu_flash_bwd(q, k, v, out, lse, dout, key_bounds, sinks, generation, **static):
-    from . import pallas_flash
+    from . import flash_backward
 
-    return pallas_flash.flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks, generation=generation,
-                                                 **_kernel_kwargs(**static, backward=True))
+    return flash_backward.flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks,
+                                                   generation=generation, **_kernel_kwargs(**static, backward=True))
 
 
 def _register_autograd(forward_op, forward_decl: OpDecl, backward_op, backward_decl: OpDecl):
@@ -175,9 +176,8 @@ def _pallas(query, key, value, mask, biased, *, causal, window, softcap, sinks, 
         bounds = masks.key_bounds(mask)
         if device == "cpu":
             masks.check_expressible(mask, bounds)
-    block_q, block_k = block_sizes or (0, 0)
-    if block_sizes is not None:
-        blocks.check_blocks(block_q, block_k, (hq // key.shape[1]) * sq, skv)
+    block_q, block_k = (0, 0) if block_sizes is None else blocks.BlockSizes.of(block_sizes).check_fits(
+        (hq // key.shape[1]) * sq, skv)
     params = dict(q=query, k=key, v=value, key_bounds=bounds, sinks=None if sinks is None else sinks.float(),
                   causal=int(bool(causal)), window=window, softcap=softcap, scale=scale, block_q=block_q,
                   block_k=block_k, kv_splits=kv_splits or 0)

@@ -1,0 +1,227 @@
+"""Flash attention backward for TPU in Pallas: dq, dk, dv (and the sinks'
+gradient) from the forward's log-sum-exp.
+
+Two kernels, with the forward's key ranges and skipped tiles (``key_ranges``):
+one walks key blocks (dk, dv accumulated over the query blocks that see each
+one: every query block, or under a causal window only the window's, per head,
+``key_ranges.query_walk``), one walks query blocks (dq, over the key blocks
+each sees). Probabilities are recomputed from q, k and the lse in the
+forward's base (base 2 without soft-capping); the sinks' gradient is a
+reduction outside the kernels. Layout, features and dtypes: ``flash_forward``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ..common.pallas_helpers import as_kernel_operand, compiler_params, dot_f32, kernel_dtype, load, out_struct
+from ..common.tile_math import cdiv
+from . import blocks as blocks_lib
+from . import key_ranges as kr
+from .flash_forward import LOG2_E, per_row, shapes_and_blocks
+
+
+def _recompute(q, k, lse, *, bounds, kv_block, block_k, softcap, scale):
+    """Probabilities ``p`` of one (query block, key block) tile and ``tanh`` of
+    the capped logits (None without soft-capping). ``bounds``: per-row ``(lo,
+    hi)`` columns of a masked tile (rows that saw no key, lse -inf, are
+    guarded), None for a tile every row sees whole."""
+    if softcap:
+        t = jnp.tanh(dot_f32(q, k, 1, 1) * (scale / softcap))
+        x, lse_, exp = softcap * t, lse, jnp.exp
+    else:
+        # Base 2, log2(e) and the scale on q ([block_q, D]), as in the forward.
+        q2 = (q.astype(jnp.float32) * (scale * LOG2_E)).astype(q.dtype)
+        x, t, lse_, exp = dot_f32(q2, k, 1, 1), None, lse * LOG2_E, jnp.exp2
+    if bounds is None:
+        return exp(x - lse_), t
+    lo, hi = bounds
+    keys = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+    visible = (keys >= lo) & (keys < hi)
+    safe_lse = jnp.where(lse_ == -jnp.inf, 0.0, lse_)
+    return jnp.where(visible, exp(jnp.where(visible, x, 0.0) - safe_lse), 0.0), t
+
+
+def _zero_rows_past(x, first_row, limit):
+    """Rows of a block at or past ``limit`` are padding (garbage): zeroed, as
+    ``0 * NaN`` would otherwise poison the products."""
+    row = first_row + lax.broadcasted_iota(jnp.int32, (x.shape[0], 1), 0)
+    return jnp.where(row < limit, x.astype(jnp.float32), 0.0).astype(x.dtype)
+
+
+def _logit_grads(do, v, delta, p, t):
+    """Gradient of the pre-cap logits of one tile, ``p * (dO v^T - delta)``
+    through the cap's ``tanh``; without the scale, applied once to the
+    accumulated dq / dk. Invisible entries have ``p = 0``, so ``ds = 0``."""
+    ds = p * (dot_f32(do, v, 1, 1) - delta)
+    return ds * (1.0 - t * t) if t is not None else ds
+
+
+def _dkv_kernel(table_ref, q_range_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref,
+                dk_ref, dv_ref, dk_acc, dv_acc, *, block_q, block_k, rows, softcap, scale, num_q_blocks, num_kv_blocks,
+                walk, rule):
+    b, kv_block, head, step = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    q_block, in_walk = kr.walk_query_block(q_range_ref, b, kv_block, head, step, num_kv_blocks=num_kv_blocks, walk=walk,
+                                        for_dma=False)
+    live, whole = kr.tile_kinds(table_ref, b, q_block, kv_block, num_q_blocks=num_q_blocks,
+                              whole_q_blocks=rows // block_q)
+    live &= in_walk
+    first_step = (head == 0) & (step == 0)
+    last_step = (head == pl.num_programs(3) - 1) & (step == pl.num_programs(4) - 1)
+
+    @pl.when(first_step)
+    def _init():
+        dk_acc[...] = jnp.zeros_like(dk_acc)
+        dv_acc[...] = jnp.zeros_like(dv_acc)
+
+    def accumulate(bounds):  # bounds: (lo, hi) columns of a masked tile, None for a whole one
+        q, do, delta = load(q_ref), load(do_ref), delta_ref[...]
+        if bounds is not None:
+            if rows % block_q:  # padding rows: garbage in q, dO and delta would reach dk through 0 * NaN
+                q, do, delta = (_zero_rows_past(x, q_block * block_q, rows) for x in (q, do, delta))
+            lo, hi = bounds
+            row = q_block * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+            bounds = lo, jnp.where(row < rows, hi, lo)  # padding rows see nothing
+        p, t = _recompute(q, load(k_ref), lse_ref[...], bounds=bounds, kv_block=kv_block, block_k=block_k,
+                          softcap=softcap, scale=scale)
+        dv_acc[...] += dot_f32(p.astype(do.dtype), do, 0, 0)
+        ds = _logit_grads(do, load(v_ref), delta, p, t)
+        dk_acc[...] += dot_f32(ds.astype(q.dtype), q, 0, 0)
+
+    pl.when(live & whole)(lambda: accumulate(None))
+    kr.masked_regions(live & jnp.logical_not(whole), kr.table_entry(table_ref, b, q_block, kr.RULE, num_q_blocks) == 1,
+                    lambda lo, hi: accumulate((lo, hi)), rule=rule, start_ref=start_ref, end_ref=end_ref,
+                    bounds_ref=bounds_ref, b=b, q_block=q_block)
+
+    @pl.when(last_step)
+    def _store():
+        dk_ref[...] = (dk_acc[...] * scale).astype(dk_ref.dtype)
+        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+
+def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dq_ref,
+               dq_acc, *, block_q, block_k, rows, skv, softcap, scale, num_q_blocks, rule):
+    b, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    kv_block = kr.table_entry(table_ref, b, q_block, kr.FIRST, num_q_blocks) + step  # walks from the first visible
+    live, whole = kr.tile_kinds(table_ref, b, q_block, kv_block, num_q_blocks=num_q_blocks,
+                              whole_q_blocks=rows // block_q)
+
+    @pl.when(step == 0)
+    def _init():
+        dq_acc[...] = jnp.zeros_like(dq_acc)
+
+    def accumulate(bounds):  # bounds: (lo, hi) columns of a masked tile, None for a whole one
+        k, v = load(k_ref), load(v_ref)
+        if bounds is not None and skv % block_k:
+            k, v = _zero_rows_past(k, kv_block * block_k, skv), _zero_rows_past(v, kv_block * block_k, skv)
+        p, t = _recompute(load(q_ref), k, lse_ref[...], bounds=bounds, kv_block=kv_block, block_k=block_k,
+                          softcap=softcap, scale=scale)
+        ds = _logit_grads(load(do_ref), v, delta_ref[...], p, t)
+        dq_acc[...] += dot_f32(ds.astype(k.dtype), k, 1, 0)
+
+    pl.when(live & whole)(lambda: accumulate(None))
+    kr.masked_regions(live & jnp.logical_not(whole), kr.table_entry(table_ref, b, q_block, kr.RULE, num_q_blocks) == 1,
+                    lambda lo, hi: accumulate((lo, hi)), rule=rule, start_ref=start_ref, end_ref=end_ref,
+                    bounds_ref=bounds_ref, b=b, q_block=q_block)
+
+    @pl.when(step == pl.num_programs(3) - 1)
+    def _store():
+        dq_ref[...] = (dq_acc[...] * scale).astype(dq_ref.dtype)
+
+
+def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *, causal: bool = True,
+                             window: int = 0, softcap: float = 0.0, scale: float | None = None, block_sizes=None,
+                             generation: str | None = None, interpret=False):
+    """``(dq, dk, dv, d_sinks)`` of ``flash_attention`` (``d_sinks`` is ``[Hq]`` f32,
+    zeros without sinks), from its output and the ``lse`` it returned."""
+    batch, hq, hkv, sq, skv, d, dv, rows, (block_q, block_k) = shapes_and_blocks(
+        blocks_lib.choose_backward_blocks, q, v, block_sizes, causal, window, generation)
+    group = hq // hkv
+    scale = d ** -0.5 if scale is None else scale
+    d_sinks = jnp.zeros((hq,), jnp.float32)
+    if 0 in (batch, hq, sq, dv) or skv == 0:
+        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), d_sinks
+    num_q_blocks, num_kv_blocks = cdiv(rows, block_q), cdiv(skv, block_k)
+    q_rows, do_rows = q.reshape(batch, hkv, rows, d), dout.reshape(batch, hkv, rows, dv)
+    # delta = rowsum(dO * O): the softmax's own term of the logits' gradient.
+    delta = jnp.sum(do_rows.astype(jnp.float32) * out.reshape(batch, hkv, rows, dv).astype(jnp.float32),
+                    axis=-1, keepdims=True)
+    if sinks is not None:  # d sink_h = -sum over h's rows of p_sink * delta
+        p_sink = jnp.exp(per_row(sinks.astype(jnp.float32), batch, hkv, group, sq) - lse)
+        d_sinks = -(p_sink * delta).reshape(batch, hkv, group, sq).sum(axis=(0, 3)).reshape(hq)
+    bounds, start, end, table = kr.ranges_and_table(key_bounds, group, sq=sq, skv=skv, causal=causal, window=window,
+                                                  num_q_blocks=num_q_blocks, block_q=block_q, block_k=block_k)
+    common = dict(rows=rows, softcap=float(softcap), scale=float(scale), num_q_blocks=num_q_blocks,
+                  block_q=block_q, block_k=block_k, rule=kr.KernelRule(block_q, sq, skv, causal, window))
+    operands = (q, k, v, dout, key_bounds)
+    semantics = ("parallel", "parallel", "parallel", "arbitrary")
+    kv_walk = kr.kv_steps(table, num_kv_blocks=num_kv_blocks, splits=1)
+
+    # dk, dv: each key block walks the query blocks; those that do not see it
+    # keep the resident query-side blocks (no DMA).
+    walk = kr.query_walk(num_q_blocks, group=group, block_q=block_q, block_k=block_k, sq=sq, causal=causal,
+                       window=window)
+    q_range, walk_steps = kr.walk_plan(table, walk, num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks)
+
+    def q_at(b, h, kb, head, step, table_ref, q_range_ref, *_):
+        q_block, _ = kr.walk_query_block(q_range_ref, b, kb, head, step, num_kv_blocks=num_kv_blocks, walk=walk,
+                                      for_dma=True)
+        return b, h, q_block, 0
+
+    def q_bounds_at(*grid_and_refs):
+        b, _, q_block, _ = q_at(*grid_and_refs)
+        return b, q_block, 0
+
+    kv_at = lambda b, h, kb, head, step, *_: (b, h, kb, 0)  # noqa: E731
+    dk, dv_ = pl.pallas_call(
+        functools.partial(_dkv_kernel, num_kv_blocks=num_kv_blocks, walk=walk, **common),
+        out_shape=(out_struct(k.shape, kernel_dtype(k.dtype), *operands),
+                   out_struct(v.shape, kernel_dtype(v.dtype), *operands)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4, grid=(batch, hkv, num_kv_blocks, walk.heads, walk_steps),
+            in_specs=[pl.BlockSpec((None, None, block_q, d), q_at), pl.BlockSpec((None, None, block_k, d), kv_at),
+                      pl.BlockSpec((None, None, block_k, dv), kv_at), pl.BlockSpec((None, None, block_q, dv), q_at),
+                      pl.BlockSpec((None, None, block_q, 1), q_at), pl.BlockSpec((None, None, block_q, 1), q_at),
+                      pl.BlockSpec((None, block_q, 2), q_bounds_at)],
+            out_specs=[pl.BlockSpec((None, None, block_k, d), kv_at), pl.BlockSpec((None, None, block_k, dv), kv_at)],
+            scratch_shapes=[pltpu.VMEM((block_k, d), jnp.float32), pltpu.VMEM((block_k, dv), jnp.float32)],
+        ),
+        compiler_params=compiler_params(generation, semantics + ("arbitrary",)),
+        interpret=interpret,
+        name="flash_attention_bwd_dkv",
+    )(table, q_range, start, end, *map(as_kernel_operand, (q_rows, k, v, do_rows)), lse, delta, bounds)
+
+    # dq: each query block walks the key blocks it sees (skipped ones re-use the resident block).
+    where = dict(num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks)
+
+    def kv_index(b, h, qb, step, table_ref, *_):
+        kv_block = kr.table_entry(table_ref, b, qb, kr.FIRST, num_q_blocks) + step
+        return b, h, kr.clamped_kv_index(table_ref, b, qb, kv_block, **where), 0
+
+    row_block = lambda b, h, qb, step, *_: (b, h, qb, 0)  # noqa: E731
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, skv=skv, **common),
+        out_shape=out_struct(q_rows.shape, kernel_dtype(q.dtype), *operands),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3, grid=(batch, hkv, num_q_blocks, kv_walk),
+            in_specs=[pl.BlockSpec((None, None, block_q, d), row_block),
+                      pl.BlockSpec((None, None, block_k, d), kv_index),
+                      pl.BlockSpec((None, None, block_k, dv), kv_index),
+                      pl.BlockSpec((None, None, block_q, dv), row_block),
+                      pl.BlockSpec((None, None, block_q, 1), row_block),
+                      pl.BlockSpec((None, None, block_q, 1), row_block),
+                      pl.BlockSpec((None, block_q, 2), lambda b, h, qb, step, *_: (b, qb, 0))],
+            out_specs=pl.BlockSpec((None, None, block_q, d), row_block),
+            scratch_shapes=[pltpu.VMEM((block_q, d), jnp.float32)],
+        ),
+        compiler_params=compiler_params(generation, semantics),
+        interpret=interpret,
+        name="flash_attention_bwd_dq",
+    )(table, start, end, *map(as_kernel_operand, (q_rows, k, v, do_rows)), lse, delta, bounds)
+    # float16 operands: the kernels computed and stored float32 (see pallas_helpers.load).
+    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv_.astype(v.dtype), d_sinks
