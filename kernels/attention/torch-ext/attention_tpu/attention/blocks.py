@@ -11,7 +11,8 @@ Rows are the query rows of one KV head's group, flattened (``G * Sq``: see
   only the window's blocks, so short blocks waste the least);
 * prefill otherwise: ``PREFILL_BLOCK`` x ``PREFILL_BLOCK``;
 * ``block_q`` is at most the rows and ``block_k`` all keys when they fit in
-  one block; ``block_k`` is halved (not below ``MIN_BLOCK_K``), then a
+  one block; a prefill's ``block_q`` is halved down to
+  ``PREFILL_MIN_BLOCK_Q``, then ``block_k`` (not below ``MIN_BLOCK_K``), then a
   prefill's ``block_q`` (not below 128), until the working set fits the
   generation's VMEM budget (the second step only for 4-byte tiles, f32 and
   float16 decoded to f32, at head_dim 512 on v4's 16 MiB).
@@ -30,6 +31,10 @@ Llama-3-8B causal prefill 8k                512 x 512   --           5488
                                             512 x 2048  5994         3532
                                             1024 x 1024 6024         3193
                                             1024 x 2048 --           3118
+  re-estimated after the key ranges         1024 x 1024 5961         3083
+                                            2048 x 1024 --           3205
+                                            1024 x 2048 5540         3042
+                                            2048 x 2048 5484         2940
 gpt-oss sliding-128 prefill 8k (D 64)       512 x 512   --           2402 (2148*)
                                             512 x 1024  --           2536
                                             1024 x 512  --           3008
@@ -44,6 +49,22 @@ reach the HBM-bound time on a full 32k cache (batch 8: 296 us, 1.02x, against
 406 us at 4096) but read 44% more on a partly filled one (2k of 32k: 75 vs
 52 us; 3k of 8k: 75 vs 52 us): 4096 is kept on every chip, since a static
 cache is partly filled for most of a generation.
+
+Prefill blocks of 2048 x 2048 (bf16, head_dim 128: a 23 MiB working set, inside
+the 24 MiB budget of v5e, v6e, v5p and tpu7x) halve the grid steps of 1024 x
+1024: a causal prefill's grid is rectangular (query blocks x the most KV
+blocks any of them sees), so nearly half its steps do no work, and each still costs
+~850 cycles (v6e: 896 such steps, 436 us of 3077 at 1024 x 1024); the larger
+tiles also amortise the per-step softmax bookkeeping (an unmasked 1024 x 2048
+tile costs 6818 cycles, two 1024 x 1024 ones 7580). tpu7x: 2609 us at 1024 x
+1024, 2492 at 1024 x 2048, 2340 at 2048 x 2048. Tall tiles lose (2048 x
+1024: 3205 us): where 2048 x 2048 misses VMEM (f32, head_dim >= 256) the rule
+gives up query rows first (1024 x 2048). Tried together and dropped (v6e,
+1024 x 1024: 4164 us against 3083): computing a masked tile whose rows follow
+the rule as 256 x 256 sub-tiles, skipping those no row sees and unmasking
+those every row sees (a diagonal tile: 8824 cycles as 10 sub-tiles against
+4645 whole), and scaling q once per query block into a VMEM scratch (empty
+steps rose from 852 to 1312 cycles, unmasked tiles from 3790 to 4246).
 
 (1.00: at the HBM-bound time; --: not measured; *: after the per-query key
 ranges, whose rule blocks skip some integer work: smaller window tiles lose
@@ -74,7 +95,8 @@ import dataclasses
 
 from ..common import tpu_generations
 
-PREFILL_BLOCK = 1024
+PREFILL_BLOCK = 2048
+PREFILL_MIN_BLOCK_Q = 1024
 WINDOW_BLOCK = 512
 DECODE_MAX_ROWS = 128
 DECODE_BLOCK_K = 4096
@@ -96,6 +118,10 @@ def choose_blocks(rows: int, kv_len: int, *, head_dim: int = 128, v_dim: int | N
     def fits():
         return working_set_bytes(block_q, block_k, head_dim, v_dim, itemsize) <= budget
 
+    # A prefill gives up query rows first, down to PREFILL_MIN_BLOCK_Q (1024 x 2048
+    # beats 2048 x 1024); from 1024 x 1024 on, the order is the one below.
+    while not fits() and rows > DECODE_MAX_ROWS and block_q > PREFILL_MIN_BLOCK_Q:
+        block_q //= 2
     while not fits() and block_k > MIN_BLOCK_K:
         block_k //= 2
     while not fits() and rows > DECODE_MAX_ROWS and block_q > 128 and block_q % 16 == 0:
