@@ -50,12 +50,14 @@ class TileCaps:
 
 TILE_CAPS = {
     "v4": TileCaps(512, 512, 2048),  # 16 MiB of VMEM: a smaller whole-K tile
-    "v5e": TileCaps(512, 512, 4096, tm_min=128),
+    "v5e": TileCaps(512, 512, 16384, tm_min=128),
     "v5p": TileCaps(512, 512, 4096),
-    "v6e": TileCaps(512, 1024, 4096, tm_min=128),  # 256-wide MXU: output tiles of 256 multiples
-    "tpu7x": TileCaps(512, 1024, 4096, tm_min=128),  # v6e's: the same MXU shape and VMEM budget
+    "v6e": TileCaps(512, 1024, 16384, tm_min=128),  # 256-wide MXU: output tiles of 256 multiples
+    "tpu7x": TileCaps(512, 1024, 16384, tm_min=128),  # v6e's: the same MXU shape
 }
 assert set(TILE_CAPS) == set(tpu_generations.GENERATIONS)
+# Row chunk of the forward kernel (0: the whole tile), see the module docstring.
+ROW_CHUNK = {"v4": 0, "v5e": 0, "v5p": 0, "v6e": 256, "tpu7x": 256}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +88,29 @@ def row_tile(m: int, num_groups: int, itemsize: int, generation: str | None) -> 
     return m if m < 8 else min(tm, -(-m // sub) * sub)
 
 
+# Generations whose grouped matmuls get the large scoped VMEM limit
+# (``tpu_generations.large_vmem_limit``) and keep K whole down to this output
+# tile width; see the module docstring.
+TN_KEEP_K = {"v5e": 512, "v6e": 512, "tpu7x": 512}
+
+
+def vmem_budget(generation: str | None) -> int:
+    """Bytes the rule's tiles may take on ``generation``."""
+    gen = tpu_generations.get_generation(generation)
+    return gen.large_vmem_budget if gen.name in TN_KEEP_K else gen.vmem_budget
+
+
+def uses_large_vmem(generation: str | None) -> bool:
+    return tpu_generations.get_generation(generation).name in TN_KEEP_K
+
+
+def row_chunk(tm: int, generation: str | None) -> int:
+    """Rows the forward kernel computes at once within a row tile: the
+    generation's ``row_chunk`` when it divides ``tm``, else the whole tile."""
+    chunk = ROW_CHUNK.get(tpu_generations.get_generation(generation).name, 0)
+    return chunk if chunk and tm > chunk and tm % chunk == 0 else tm
+
+
 def choose_tiling(m: int, k: int, n: int, num_groups: int, *, lhs_itemsize: int, rhs_itemsize: int,
                   out_itemsize: int, generation: str | None = None) -> Tiling:
     """Applies the rule of the module docstring."""
@@ -93,7 +118,13 @@ def choose_tiling(m: int, k: int, n: int, num_groups: int, *, lhs_itemsize: int,
     caps = TILE_CAPS[gen.name]
     t = Tiling(row_tile(m, num_groups, min(lhs_itemsize, out_itemsize), gen.name),
                min(k, caps.tk_max), min(n, caps.tn_max))
-    while working_set_bytes(t, lhs_itemsize, rhs_itemsize, out_itemsize) > gen.vmem_budget:
+    budget = vmem_budget(gen.name)
+    # A whole-K tile first: narrow the output tile down to TN_KEEP_K before
+    # splitting K (a split K re-reads a group's weights on every row tile).
+    keep_k = TN_KEEP_K.get(gen.name, 0)
+    while keep_k and t.tn > keep_k and working_set_bytes(t, lhs_itemsize, rhs_itemsize, out_itemsize) > budget:
+        t = Tiling(t.tm, t.tk, max(keep_k, halve_lane_aligned(t.tn)))
+    while working_set_bytes(t, lhs_itemsize, rhs_itemsize, out_itemsize) > budget:
         if t.tk > 128 and (t.tk >= t.tn or t.tn <= gen.mxu):
             t = Tiling(t.tm, halve_lane_aligned(t.tk), t.tn)
         elif t.tn > gen.mxu:
