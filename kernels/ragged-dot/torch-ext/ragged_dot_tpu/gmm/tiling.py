@@ -22,9 +22,30 @@ The rule (used by the forward and both backward kernels):
   and no tail masking along K is needed.
 * ``tn`` covers the whole output dim up to ``tn_max`` (a multiple of the MXU
   width of the generation).
-* If the double-buffered working set exceeds the generation's VMEM budget
-  (``common.tpu_generations``), halve the larger of tk / tn (staying
-  lane-aligned) until it fits.
+* If the double-buffered working set exceeds the budget, first narrow ``tn``
+  (halving, lane-aligned) down to ``TN_KEEP_K`` (512), then halve the larger
+  of tk / tn until it fits. On v5e, v6e and tpu7x the budget is the large one
+  (``tpu_generations.large_vmem_budget``: 72 MiB on v5e / v6e, 36 MiB on
+  tpu7x) and the kernels ask Mosaic for the matching limit; v4 and v5p keep
+  the default budget. Why (TPU estimator, v6e, Mixtral-8x7B 4096 tokens, the
+  bench's two-matmul layer): with the default 24 MiB budget the rule split K
+  (up (512, 2048, 1024), down (512, 2048, 1024)), and a split K changes the
+  weight block on every step, so a group's weights were re-read once per row
+  tile: 8103 + 4052 MB fetched, 5517 + 2556 us. Whole-K tiles (up (512, 4096,
+  1024), down (512, 14336, 512)) fetch 3758 + 2819 MB: 3788 + 1809 us, the
+  layer 8791 -> 6315 us (before the row chunks below).
+* Row chunks (``ROW_CHUNK``; v6e and tpu7x: 256 rows, when ``tm`` is a larger
+  multiple): the forward kernel computes a row tile in chunks and skips the
+  chunks without a row of the visit's group, so a tile shared by two groups
+  (about ``M / tm + G`` visits for ``M / tm`` tiles) costs each group about
+  its own rows. A chunk re-pushes the weight tile into the MXU, so chunks
+  narrower than the MXU lose: v6e gpt-oss-20b 4096 tokens (tm 512, 62 visits
+  for 32 tiles), the two kernels 2649 us without chunks, 2524 us with 128-row
+  chunks, 2238 us with 256-row chunks. v5e keeps whole tiles (not estimated).
+
+Figures: ``python bench/bench_tpu_estimates.py --chips v6e v5e --models
+mixtral-8x7b gpt-oss-20b qwen3-30b-a3b --tokens 512 4096 --contenders ours
+"ours fused"`` before and after (table in ``bench/results/tpu_estimates.md``).
 
 A caller overrides the rule with all three sizes at once (``tiling=(tm, tk,
 tn)``), checked by ``validate_tiling``; there is no partial override.
