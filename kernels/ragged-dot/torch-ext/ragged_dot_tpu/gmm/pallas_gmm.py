@@ -17,7 +17,9 @@ straddles a boundary is visited once per segment and each visit stores only
 its own rows, so every output row is written exactly once, rows outside the
 local groups are written as zeros, and empty groups cost no step at all. The
 number of visits is data dependent and becomes the (dynamic) grid size; its
-static bound is ``tiles_m + segments - 1``.
+static bound is ``tiles_m + segments - 1``. Within a visit the forward kernel
+computes only the row chunks (``tiling.row_chunk``) that hold rows of its
+segment, so a shared tile's visits split its MXU work instead of repeating it.
 """
 
 from __future__ import annotations
