@@ -240,7 +240,8 @@ def gmm(
                         (tiles_n, num_visits, tiles_k), [lhs_spec, rhs_spec],
                         out_spec, (tm, tn), ("parallel", "arbitrary", "arbitrary"), cost,
                         f"ragged_dot_gmm_{rhs_layout}", generation, interpret, num_visit_arrays=5,
-                        large_vmem=tiling_lib.uses_large_vmem(generation))
+                        large_vmem=tiling_lib.needs_large_vmem(t, lhs.dtype.itemsize, rhs.dtype.itemsize,
+                                                               out_dtype.itemsize, generation))
     return call(seg, tile, seg_starts, seg_ends, weight_group, lhs, rhs)
 
 
@@ -340,7 +341,8 @@ def tgmm(
                         [lhs_spec, dout_spec], out_spec, acc_shape,
                         ("parallel", "parallel", "arbitrary"), cost, f"ragged_dot_tgmm_{rhs_layout}",
                         generation, interpret, num_visit_arrays=4,
-                        large_vmem=tiling_lib.uses_large_vmem(generation))
+                        large_vmem=tiling_lib.needs_large_vmem(t, lhs.dtype.itemsize, dout.dtype.itemsize,
+                                                               out_dtype.itemsize, generation))
     return call(seg, tile, seg_starts, seg_ends, lhs, dout)
 
 

@@ -26,8 +26,8 @@ The rule (used by the forward and both backward kernels):
   (halving, lane-aligned) down to ``TN_KEEP_K`` (512), then halve the larger
   of tk / tn until it fits. On v5e, v6e and tpu7x the budget is the large one
   (``tpu_generations.large_vmem_budget``: 72 MiB on v5e / v6e, 36 MiB on
-  tpu7x) and the kernels ask Mosaic for the matching limit; v4 and v5p keep
-  the default budget. Why (TPU estimator, v6e, Mixtral-8x7B 4096 tokens, the
+  tpu7x) and a kernel whose tiles pass the default budget asks Mosaic for the
+  matching limit (``needs_large_vmem``); v4 and v5p keep the default budget. Why (TPU estimator, v6e, Mixtral-8x7B 4096 tokens, the
   bench's two-matmul layer): with the default 24 MiB budget the rule split K
   (up (512, 2048, 1024), down (512, 2048, 1024)), and a split K changes the
   weight block on every step, so a group's weights were re-read once per row
@@ -121,8 +121,13 @@ def vmem_budget(generation: str | None) -> int:
     return gen.large_vmem_budget if gen.name in TN_KEEP_K else gen.vmem_budget
 
 
-def uses_large_vmem(generation: str | None) -> bool:
-    return tpu_generations.get_generation(generation).name in TN_KEEP_K
+def needs_large_vmem(t: Tiling, lhs_bytes: int, rhs_bytes: int, out_bytes: int,
+                     generation: str | None) -> bool:
+    """Whether a kernel with tiles ``t`` asks for the large VMEM limit: only
+    where the rule allows it and the tiles pass the default budget (smaller
+    tiles keep the default limit and the schedule they always had)."""
+    gen = tpu_generations.get_generation(generation)
+    return gen.name in TN_KEEP_K and working_set_bytes(t, lhs_bytes, rhs_bytes, out_bytes) > gen.vmem_budget
 
 
 def row_chunk(tm: int, generation: str | None) -> int:
