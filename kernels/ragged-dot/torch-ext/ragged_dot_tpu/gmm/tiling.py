@@ -34,6 +34,10 @@ The rule (used by the forward and both backward kernels):
   tile: 8103 + 4052 MB fetched, 5517 + 2556 us. Whole-K tiles (up (512, 4096,
   1024), down (512, 14336, 512)) fetch 3758 + 2819 MB: 3788 + 1809 us, the
   layer 8791 -> 6315 us (before the row chunks below).
+* Balanced tiles: a split K or N takes the narrowest MXU-aligned tile giving
+  the same tile count (``balanced_tile``): Qwen3-30B-A3B's up projection (N =
+  1536) on v6e runs two 768-wide column tiles instead of 1024 + 1024 with
+  512 masked columns computed for nothing.
 * Row chunks (``ROW_CHUNK``; v6e and tpu7x: 256 rows, when ``tm`` is a larger
   multiple): the forward kernel computes a row tile in chunks and skips the
   chunks without a row of the visit's group, so a tile shared by two groups
@@ -157,7 +161,16 @@ def choose_tiling(m: int, k: int, n: int, num_groups: int, *, lhs_itemsize: int,
             t = Tiling(t.tm, t.tk, halve_lane_aligned(t.tn))
         else:
             break  # unreachable for K, N >= 128 at the budgets above; Mosaic would report it
-    return t
+    return Tiling(t.tm, balanced_tile(k, t.tk, 128), balanced_tile(n, t.tn, gen.mxu))
+
+
+def balanced_tile(dim: int, tile: int, align: int) -> int:
+    """The smallest ``align`` multiple giving as many tiles as ``tile`` does:
+    N = 1536 in 1024-wide tiles is two 768-wide ones, not 1024 + a half-masked
+    1024 (the MXU computes the masked half all the same)."""
+    if tile >= dim:
+        return tile
+    return min(tile, -(-dim // (-(-dim // tile) * align)) * align)
 
 
 def validate_tiling(t: Tiling, m: int, k: int, n: int) -> None:
