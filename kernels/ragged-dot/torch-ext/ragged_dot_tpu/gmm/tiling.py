@@ -33,7 +33,8 @@ The rule (used by the forward and both backward kernels):
   weight block on every step, so a group's weights were re-read once per row
   tile: 8103 + 4052 MB fetched, 5517 + 2556 us. Whole-K tiles (up (512, 4096,
   1024), down (512, 14336, 512)) fetch 3758 + 2819 MB: 3788 + 1809 us, the
-  layer 8791 -> 6315 us (before the row chunks below).
+  layer 8791 -> 6315 us (6332 us with the row chunks below). Every row
+  measured, on v5e, v6e and tpu7x, is in ``bench/results/experts_prefill_tiles.md``.
 * Balanced tiles: a split K or N takes the narrowest MXU-aligned tile giving
   the same tile count (``balanced_tile``): Qwen3-30B-A3B's up projection (N =
   1536) on v6e runs two 768-wide column tiles instead of 1024 + 1024 with
