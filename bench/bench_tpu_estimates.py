@@ -12,6 +12,10 @@ calibration error in bench/results/tpu_calibration.md):
 - tokamax 0.0.12 ``PallasMosaicTpuRaggedDot`` twice, its own default config;
 - JAX's megablox ``gmm`` twice, its default tiling (128, 128, 128).
 
+A peer at a named config: ``tokamax@tm,tk,tn[,input buffers]`` or
+``megablox@tm,tk,tn`` in ``--contenders``; the table then adds the best peer
+of the row and its ratio to ours.
+
 Weights are in Transformers' ``[E, out, in]`` layout for ours, ``[E, in, out]``
 for the peers (their layout): the same bytes. Writes bench/results/tpu_estimates.md
 and tpu_estimates.png.
@@ -74,23 +78,44 @@ def contender_fn(name, gate, generation):
                 raise ValueError("one expert does not fit VMEM: the rule runs two matmuls")
             return pallas_fused_experts.fused_glu_experts(x, up, down, gs, gate=gate, out_dtype=jnp.float32,
                                                           tm=tm, generation=generation)
-    elif name == "tokamax":
+    elif peer_name(name) == "tokamax":
         from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu as tk
 
-        op = tk.PallasMosaicTpuRaggedDot()
+        config = peer_config(name)
+        if config is None:
+            op = tk.PallasMosaicTpuRaggedDot()
+        else:
+            tm, tk_, tn, *buffers = config
+            op = tk.PallasMosaicTpuRaggedDot(config=tk.Config(
+                tile_m=tm, tile_k=tk_, tile_n=tn, input_buffer_count=buffers[0] if buffers else 2))
 
         def fn(x, up, down, gs):
             h = op(x, up, group_sizes=gs, preferred_element_type=jnp.float32)
             return op(act(h), down, group_sizes=gs, preferred_element_type=jnp.float32)
-    elif name == "megablox":
+    elif peer_name(name) == "megablox":
         from jax.experimental.pallas.ops.tpu.megablox import gmm
 
+        tiling = dict(tiling=peer_config(name)[:3]) if peer_config(name) else {}
+
         def fn(x, up, down, gs):
-            h = gmm(x, up, gs, preferred_element_type=jnp.float32)
-            return gmm(act(h), down, gs, preferred_element_type=jnp.float32)
+            h = gmm(x, up, gs, preferred_element_type=jnp.float32, **tiling)
+            return gmm(act(h), down, gs, preferred_element_type=jnp.float32, **tiling)
     else:
         raise ValueError(name)
     return fn
+
+
+def peer_name(contender: str) -> str:
+    """``"tokamax@512,2048,1024,3"`` -> ``"tokamax"``."""
+    return contender.split("@")[0]
+
+
+def peer_config(contender: str) -> tuple[int, ...] | None:
+    """A peer's named config: ``name@tm,tk,tn`` (tokamax may add its input
+    buffer count: ``,3``); None: the peer's own default."""
+    if "@" not in contender:
+        return None
+    return tuple(int(v) for v in contender.split("@")[1].split(","))
 
 
 def weight_specs(name, hidden, inter, experts):
@@ -126,14 +151,14 @@ def estimate_one(chip, model, tokens, name, rng_seed=0):
     x = jax.ShapeDtypeStruct((tokens * top_k, hidden), jnp.bfloat16)
     up, down = weight_specs(name, hidden, inter, experts)
     fn = contender_fn(name, gate, chip)
-    if name == "tokamax":
+    if peer_name(name) == "tokamax":
         with PipelineRecorder() as recorder:
             return tpu_estimator.estimate(fn, [x, up, down, gs], chip, flops=flops, min_bytes=min_bytes,
                                           replay_for=recorder.replay_for())
     return tpu_estimator.estimate(fn, [x, up, down, gs], chip, flops=flops, min_bytes=min_bytes)
 
 
-_LINE = re.compile(r"^\[(\S+)\] (\S+) (\d+) (ours fused|ours|tokamax|megablox): (.*)$")
+_LINE = re.compile(r"^\[(\S+)\] (\S+) (\d+) (ours fused|ours|tokamax\S*|megablox\S*): (.*)$")
 _TIME = re.compile(r"^([\d.]+) us \(roofline")
 
 
@@ -176,7 +201,13 @@ def table_row(chip, model, tokens, results, contenders):
     for name in contenders:
         row[f"{name} us"] = f"{times[name] * 1e6:.1f}" if name in times else "-"
     for peer in ("tokamax", "megablox"):
-        row[f"{peer} / ours"] = f"{times[peer] / best_ours:.2f}" if peer in times and best_ours else "-"
+        if peer in contenders:
+            row[f"{peer} / ours"] = f"{times[peer] / best_ours:.2f}" if peer in times and best_ours else "-"
+    peers = {n: t for n, t in times.items() if not n.startswith("ours")}
+    if any(peer_config(n) for n in contenders):  # named configs: the best of every peer run
+        best = min(peers, key=peers.get, default=None)
+        row["best peer"] = best or "-"
+        row["best peer / ours"] = f"{peers[best] / best_ours:.2f}" if best and best_ours else "-"
     row["roofline us"] = f"{roofline * 1e6:.1f} ({'HBM' if hbm >= mxu else 'MXU'})"
     row["ours / roofline"] = f"{best_ours / roofline:.2f}" if best_ours else "-"
     row["notes"] = "; ".join(notes)

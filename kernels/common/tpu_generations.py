@@ -26,7 +26,8 @@ A kernel whose working set passes the default scoped limit must pass its
 own ``vmem_limit_bytes``. The rule here: every kernel asks for
 ``vmem_limit = min(32 MiB, VMEM)`` and keeps its double-buffered tiles within
 ``vmem_budget = 3/4`` of that, leaving a quarter for Mosaic's own scratch.
-A kernel that keeps a whole weight block resident (the fused experts kernel)
+A kernel that keeps a whole weight block resident (the fused experts kernel,
+and the grouped matmuls' whole-K tiles on v5e, v6e and tpu7x: ``gmm/tiling.py``)
 may ask for ``large_vmem_limit``: 3/4 of VMEM, at most 96 MiB (v5e and v6e:
 96 MiB, v5p 48, v4 stays at 16), with ``large_vmem_budget`` its 3/4.
 

@@ -17,7 +17,9 @@ straddles a boundary is visited once per segment and each visit stores only
 its own rows, so every output row is written exactly once, rows outside the
 local groups are written as zeros, and empty groups cost no step at all. The
 number of visits is data dependent and becomes the (dynamic) grid size; its
-static bound is ``tiles_m + segments - 1``.
+static bound is ``tiles_m + segments - 1``. Within a visit the forward kernel
+computes only the row chunks (``tiling.row_chunk``) that hold rows of its
+segment, so a shared tile's visits split its MXU work instead of repeating it.
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ def _gmm_kernel(
     lhs_ref, rhs_ref,  # inputs (VMEM)
     out_ref,  # output (VMEM)
     acc_ref,  # f32 scratch
-    *, tm: int, tk: int, k: int, tiles_k: int, num_segments: int, rhs_layout: str,
+    *, tm: int, tk: int, k: int, tiles_k: int, num_segments: int, rhs_layout: str, row_chunk: int,
 ):
     v, k_i = pl.program_id(1), pl.program_id(2)
     seg = seg_ref[v]
@@ -148,24 +150,32 @@ def _gmm_kernel(
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    def accumulate(mask_k_tail: bool):
-        x, w = lhs_ref[...], rhs_ref[...]
+    def accumulate(rows: slice, mask_k_tail: bool):
+        x, w = lhs_ref[rows, :], rhs_ref[...]
         if mask_k_tail:  # garbage past K on both sides (0 * NaN is NaN)
             valid = k - k_i * tk
             x = zero_past(x, 1, valid)
             w = zero_past(w, w_contract, valid)
-        acc_ref[...] += dot_f32(x, w, 1, w_contract)
+        acc_ref[rows, :] += dot_f32(x, w, 1, w_contract)
 
+    # Only the row chunks holding rows of the visit's segment are computed:
+    # a tile shared by two groups costs each about its own rows, not a whole
+    # tile (the rows of skipped chunks stay zero and are masked at the store).
+    start, end = seg_start_ref[seg], seg_end_ref[seg]
     k_rem = k % tk
-    if k_rem == 0:
-        pl.when(is_local)(lambda: accumulate(False))
-    else:
-        pl.when(is_local & (k_i < tiles_k - 1))(lambda: accumulate(False))
-        pl.when(is_local & (k_i == tiles_k - 1))(lambda: accumulate(True))
+    for c in range(tm // row_chunk):
+        rows = slice(c * row_chunk, (c + 1) * row_chunk)
+        first_row = tile_ref[v] * tm + c * row_chunk
+        live = is_local & (first_row < end) & (first_row + row_chunk > start)
+        if k_rem == 0:
+            pl.when(live)(functools.partial(accumulate, rows, False))
+        else:
+            pl.when(live & (k_i < tiles_k - 1))(functools.partial(accumulate, rows, False))
+            pl.when(live & (k_i == tiles_k - 1))(functools.partial(accumulate, rows, True))
 
     @pl.when(k_i == tiles_k - 1)
     def _store():
-        store_visit_rows(out_ref, acc_ref[...], v, tile_ref, tm, seg_start_ref[seg], seg_end_ref[seg])
+        store_visit_rows(out_ref, acc_ref[...], v, tile_ref, tm, start, end)
 
 
 def gmm(
@@ -212,6 +222,7 @@ def gmm(
     kernel = functools.partial(
         _gmm_kernel, tm=tm, tk=tk, k=k, tiles_k=tiles_k,
         num_segments=num_segments, rhs_layout=rhs_layout,
+        row_chunk=tiling_lib.row_chunk(tm, generation),
     )
     # What the kernel reads, as XLA schedules around it: M rows touch at most
     # M experts (decode: 8 of 128), not every expert of rhs.
@@ -228,7 +239,9 @@ def gmm(
     call = _visits_call(kernel, out_struct((m, n), out_dtype, lhs, rhs, group_sizes),
                         (tiles_n, num_visits, tiles_k), [lhs_spec, rhs_spec],
                         out_spec, (tm, tn), ("parallel", "arbitrary", "arbitrary"), cost,
-                        f"ragged_dot_gmm_{rhs_layout}", generation, interpret, num_visit_arrays=5)
+                        f"ragged_dot_gmm_{rhs_layout}", generation, interpret, num_visit_arrays=5,
+                        large_vmem=tiling_lib.needs_large_vmem(t, lhs.dtype.itemsize, rhs.dtype.itemsize,
+                                                               out_dtype.itemsize, generation))
     return call(seg, tile, seg_starts, seg_ends, weight_group, lhs, rhs)
 
 
@@ -327,12 +340,14 @@ def tgmm(
     call = _visits_call(kernel, out_struct(out_shape, out_dtype, lhs, dout, group_sizes), grid,
                         [lhs_spec, dout_spec], out_spec, acc_shape,
                         ("parallel", "parallel", "arbitrary"), cost, f"ragged_dot_tgmm_{rhs_layout}",
-                        generation, interpret, num_visit_arrays=4)
+                        generation, interpret, num_visit_arrays=4,
+                        large_vmem=tiling_lib.needs_large_vmem(t, lhs.dtype.itemsize, dout.dtype.itemsize,
+                                                               out_dtype.itemsize, generation))
     return call(seg, tile, seg_starts, seg_ends, lhs, dout)
 
 
 def _visits_call(kernel, out_shape, grid, in_specs, out_spec, acc_shape, semantics, cost, name,
-                 generation, interpret, num_visit_arrays):
+                 generation, interpret, num_visit_arrays, large_vmem=False):
     """The pallas_call both kernels share: scalar-prefetched visit arrays
     (segment and tile of each visit, segment row bounds; the forward adds the
     weight group of each visit), an f32 accumulator."""
@@ -343,7 +358,7 @@ def _visits_call(kernel, out_shape, grid, in_specs, out_spec, acc_shape, semanti
             num_scalar_prefetch=num_visit_arrays, grid=grid, in_specs=in_specs, out_specs=out_spec,
             scratch_shapes=[pltpu.VMEM(acc_shape, jnp.float32)],
         ),
-        compiler_params=compiler_params(generation, semantics),
+        compiler_params=compiler_params(generation, semantics, large_vmem=large_vmem),
         interpret=interpret,
         cost_estimate=cost,
         name=name,

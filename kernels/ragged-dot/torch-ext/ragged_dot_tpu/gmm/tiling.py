@@ -22,9 +22,38 @@ The rule (used by the forward and both backward kernels):
   and no tail masking along K is needed.
 * ``tn`` covers the whole output dim up to ``tn_max`` (a multiple of the MXU
   width of the generation).
-* If the double-buffered working set exceeds the generation's VMEM budget
-  (``common.tpu_generations``), halve the larger of tk / tn (staying
-  lane-aligned) until it fits.
+* If the double-buffered working set exceeds the budget, first narrow ``tn``
+  (halving, lane-aligned) down to ``TN_KEEP_K`` (512), then halve the larger
+  of tk / tn until it fits. On v5e, v6e and tpu7x the budget is the large one
+  (``tpu_generations.large_vmem_budget``: 72 MiB on v5e / v6e, 36 MiB on
+  tpu7x) and a kernel whose tiles pass the default budget asks Mosaic for the
+  matching limit (``needs_large_vmem``); v4 and v5p keep the default budget. Why (TPU estimator, v6e, Mixtral-8x7B 4096 tokens, the
+  bench's two-matmul layer): with the default 24 MiB budget the rule split K
+  (up (512, 2048, 1024), down (512, 2048, 1024)), and a split K changes the
+  weight block on every step, so a group's weights were re-read once per row
+  tile: 8103 + 4052 MB fetched, 5517 + 2556 us. Whole-K tiles (up (512, 4096,
+  1024), down (512, 14336, 512)) fetch 3758 + 2819 MB: 3788 + 1809 us, the
+  layer 8791 -> 6315 us (6332 us with the row chunks below). Every row
+  measured, on v5e, v6e and tpu7x, is in ``bench/results/experts_prefill_tiles.md``.
+* Balanced tiles: a split K or N takes the narrowest MXU-aligned tile giving
+  the same tile count (``balanced_tile``): Qwen3-30B-A3B's up projection (N =
+  1536) on v6e runs two 768-wide column tiles instead of 1024 + 1024 with
+  512 masked columns computed for nothing.
+* Row chunks (``ROW_CHUNK``: the MXU width, 128 rows on v5e, 256 on v6e and
+  tpu7x, when ``tm`` is a larger multiple): the forward kernel computes a row tile in chunks and skips the
+  chunks without a row of the visit's group, so a tile shared by two groups
+  (about ``M / tm + G`` visits for ``M / tm`` tiles) costs each group about
+  its own rows. A chunk re-pushes the weight tile into the MXU, so chunks
+  narrower than the MXU lose: v6e gpt-oss-20b 4096 tokens (tm 512, 62 visits
+  for 32 tiles), the two kernels 2649 us without chunks, 2524 us with 128-row
+  chunks, 2238 us with 256-row chunks. On v5e's 128-wide MXUs 128-row
+  chunks cost 5% more cycles when every chunk runs and save more: gpt-oss-20b
+  4096 tokens 13396 -> 10782 us for the layer, Mixtral-8x7B 4096 tokens
+  23455 -> 20738 us. v4 and v5p keep whole tiles (not estimated).
+
+Figures: ``python bench/bench_tpu_estimates.py --chips v6e v5e --models
+mixtral-8x7b gpt-oss-20b qwen3-30b-a3b --tokens 512 4096 --contenders ours
+"ours fused"`` before and after (table in ``bench/results/tpu_estimates.md``).
 
 A caller overrides the rule with all three sizes at once (``tiling=(tm, tk,
 tn)``), checked by ``validate_tiling``; there is no partial override.
@@ -50,12 +79,14 @@ class TileCaps:
 
 TILE_CAPS = {
     "v4": TileCaps(512, 512, 2048),  # 16 MiB of VMEM: a smaller whole-K tile
-    "v5e": TileCaps(512, 512, 4096, tm_min=128),
+    "v5e": TileCaps(512, 512, 16384, tm_min=128),
     "v5p": TileCaps(512, 512, 4096),
-    "v6e": TileCaps(512, 1024, 4096, tm_min=128),  # 256-wide MXU: output tiles of 256 multiples
-    "tpu7x": TileCaps(512, 1024, 4096, tm_min=128),  # v6e's: the same MXU shape and VMEM budget
+    "v6e": TileCaps(512, 1024, 16384, tm_min=128),  # 256-wide MXU: output tiles of 256 multiples
+    "tpu7x": TileCaps(512, 1024, 16384, tm_min=128),  # v6e's: the same MXU shape
 }
 assert set(TILE_CAPS) == set(tpu_generations.GENERATIONS)
+# Row chunk of the forward kernel (0: the whole tile), see the module docstring.
+ROW_CHUNK = {"v4": 0, "v5e": 128, "v5p": 0, "v6e": 256, "tpu7x": 256}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +117,34 @@ def row_tile(m: int, num_groups: int, itemsize: int, generation: str | None) -> 
     return m if m < 8 else min(tm, -(-m // sub) * sub)
 
 
+# Generations whose grouped matmuls get the large scoped VMEM limit
+# (``tpu_generations.large_vmem_limit``) and keep K whole down to this output
+# tile width; see the module docstring.
+TN_KEEP_K = {"v5e": 512, "v6e": 512, "tpu7x": 512}
+
+
+def vmem_budget(generation: str | None) -> int:
+    """Bytes the rule's tiles may take on ``generation``."""
+    gen = tpu_generations.get_generation(generation)
+    return gen.large_vmem_budget if gen.name in TN_KEEP_K else gen.vmem_budget
+
+
+def needs_large_vmem(t: Tiling, lhs_bytes: int, rhs_bytes: int, out_bytes: int,
+                     generation: str | None) -> bool:
+    """Whether a kernel with tiles ``t`` asks for the large VMEM limit: only
+    where the rule allows it and the tiles pass the default budget (smaller
+    tiles keep the default limit and the schedule they always had)."""
+    gen = tpu_generations.get_generation(generation)
+    return gen.name in TN_KEEP_K and working_set_bytes(t, lhs_bytes, rhs_bytes, out_bytes) > gen.vmem_budget
+
+
+def row_chunk(tm: int, generation: str | None) -> int:
+    """Rows the forward kernel computes at once within a row tile: the
+    generation's ``row_chunk`` when it divides ``tm``, else the whole tile."""
+    chunk = ROW_CHUNK.get(tpu_generations.get_generation(generation).name, 0)
+    return chunk if chunk and tm > chunk and tm % chunk == 0 else tm
+
+
 def choose_tiling(m: int, k: int, n: int, num_groups: int, *, lhs_itemsize: int, rhs_itemsize: int,
                   out_itemsize: int, generation: str | None = None) -> Tiling:
     """Applies the rule of the module docstring."""
@@ -93,14 +152,29 @@ def choose_tiling(m: int, k: int, n: int, num_groups: int, *, lhs_itemsize: int,
     caps = TILE_CAPS[gen.name]
     t = Tiling(row_tile(m, num_groups, min(lhs_itemsize, out_itemsize), gen.name),
                min(k, caps.tk_max), min(n, caps.tn_max))
-    while working_set_bytes(t, lhs_itemsize, rhs_itemsize, out_itemsize) > gen.vmem_budget:
+    budget = vmem_budget(gen.name)
+    # A whole-K tile first: narrow the output tile down to TN_KEEP_K before
+    # splitting K (a split K re-reads a group's weights on every row tile).
+    keep_k = TN_KEEP_K.get(gen.name, 0)
+    while keep_k and t.tn > keep_k and working_set_bytes(t, lhs_itemsize, rhs_itemsize, out_itemsize) > budget:
+        t = Tiling(t.tm, t.tk, max(keep_k, halve_lane_aligned(t.tn)))
+    while working_set_bytes(t, lhs_itemsize, rhs_itemsize, out_itemsize) > budget:
         if t.tk > 128 and (t.tk >= t.tn or t.tn <= gen.mxu):
             t = Tiling(t.tm, halve_lane_aligned(t.tk), t.tn)
         elif t.tn > gen.mxu:
             t = Tiling(t.tm, t.tk, halve_lane_aligned(t.tn))
         else:
             break  # unreachable for K, N >= 128 at the budgets above; Mosaic would report it
-    return t
+    return Tiling(t.tm, balanced_tile(k, t.tk, 128), balanced_tile(n, t.tn, gen.mxu))
+
+
+def balanced_tile(dim: int, tile: int, align: int) -> int:
+    """The smallest ``align`` multiple giving as many tiles as ``tile`` does:
+    N = 1536 in 1024-wide tiles is two 768-wide ones, not 1024 + a half-masked
+    1024 (the MXU computes the masked half all the same)."""
+    if tile >= dim:
+        return tile
+    return min(tile, -(-dim // (-(-dim // tile) * align)) * align)
 
 
 def validate_tiling(t: Tiling, m: int, k: int, n: int) -> None:
