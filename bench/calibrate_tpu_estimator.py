@@ -10,7 +10,7 @@ entries, median estimate / measured, share within 10% and 25%, worst.
 
     python bench/calibrate_tpu_estimator.py [--data DIR] [--chips ...]
         [--kinds ...] [--max-entries N] [--unrecorded-sizes tokamax|equal]
-        [--from-logs LOG ...] [--out FILE]
+        [--from-logs LOG ...] [--skip-logged LOG ...] [--out FILE]
 
 Tables: tokamax 0.0.12's wheel ships ``tokamax/data/autotuning/<chip>/`` (v5e
 and tpu7x ragged dot, tpu7x flash attention forward and backward). ``--data
@@ -309,7 +309,9 @@ def parse_logs(paths) -> dict:
     for path in paths:
         for line in pathlib.Path(path).read_text().splitlines():
             if m := _LINE.match(line):
-                out[(m.group(1), m.group(2), int(m.group(3)))] = (float(m.group(4)) * 1e-3, m.group(5).strip(" ;"))
+                notes, _, parts = m.group(5).partition(" | ")
+                out[(m.group(1), m.group(2), int(m.group(3)))] = (float(m.group(4)) * 1e-3, notes.strip(" ;"),
+                                                                   parts.strip())
             elif m := _FAILED.match(line):
                 out[(m.group(1), m.group(2), int(m.group(3)))] = m.group(4)
     return out
@@ -357,6 +359,8 @@ def main(argv=None):
                     help="at most N entries per chip and kind, spread evenly over the table")
     ap.add_argument("--from-logs", nargs="+", default=None,
                     help="build the tables from the progress output of earlier runs instead of estimating")
+    ap.add_argument("--skip-logged", nargs="+", default=None,
+                    help="estimate only the chosen entries these progress logs do not hold yet (a resumed run)")
     ap.add_argument("--unrecorded-sizes", choices=("tokamax", "equal"), default="tokamax",
                     help="ragged dot group sizes where the table keeps only their count and total")
     ap.add_argument("--out", default=str(RESULTS))
@@ -365,6 +369,7 @@ def main(argv=None):
 
     flags.FLAGS(sys.argv[:1], known_only=True)  # tokamax reads absl flags; ours are argparse's
     logged = parse_logs(args.from_logs) if args.from_logs else None
+    done = parse_logs(args.skip_logged) if args.skip_logged else {}
     sections, overview, sources = [], [], []
     for chip, kind in itertools.product(args.chips, args.kinds):
         path, source = table_path(chip, kind, args.data)
@@ -374,6 +379,7 @@ def main(argv=None):
         chosen = sample(len(entries), args.max_entries)
         if logged is not None:  # the entries the logs hold
             chosen = [i for i in chosen if (chip, kind, i) in logged]
+        chosen = [i for i in chosen if (chip, kind, i) not in done]
         sources.append(f"- {chip} {kind}: {source} ({len(chosen)} of its {len(entries)} measured entries"
                        + (", spread evenly)" if len(chosen) < len(entries) else ")"))
         rows, ratios = [], []
@@ -389,18 +395,19 @@ def main(argv=None):
                     est, notes = ESTIMATORS[kind](chip, key, config, args.unrecorded_sizes)
                     if not all(k.regions_matched for k in est.kernels):
                         notes.append("regions unmatched")
-                    result = (est.seconds, ", ".join(notes))
+                    result = (est.seconds, ", ".join(notes), breakdown(est))
                 except Exception as exc:  # noqa: BLE001 -- an entry that cannot be estimated is reported
                     result = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}"
             if isinstance(result, str):
                 rows.append(_row(kind, key, config, None, measured, f"not estimated: {result}"))
                 print(f"[{chip} {kind}] entry {i}: {result}", file=sys.stderr, flush=True)
                 continue
-            seconds, notes = result
+            seconds, notes, parts = result
             ratios.append(seconds / measured)
-            rows.append(_row(kind, key, config, seconds, measured, notes))
+            rows.append(_row(kind, key, config, seconds, measured, notes, parts))
             print(f"[{chip} {kind}] {i}: est {seconds * 1e3:.3f} ms, measured {measured * 1e3:.3f} ms, "
-                  f"ratio {seconds / measured:.2f} ({time.time() - t0:.0f} s); {notes}", file=sys.stderr, flush=True)
+                  f"ratio {seconds / measured:.2f} ({time.time() - t0:.0f} s); {notes}"
+                  + (f" | {parts}" if parts else ""), file=sys.stderr, flush=True)
         s = summary(ratios)
         overview.append({"chip": chip, "kind": kind, **s})
         sections.append(f"## {chip} {kind} ({tpu_estimator.CHIPS[chip].topology})\n\n"
@@ -425,7 +432,17 @@ CAVEATS = """What the estimate does not model, and which way each bends it, is i
 `bench/tpu_estimator.py` ("Not modelled")."""
 
 
-def _row(kind, key, config, estimate, measured, notes) -> dict:
+def breakdown(est) -> str:
+    """Where an estimate's time goes: the kernels' busiest-core compute
+    (step cycles at the clock) and DMA time (bytes at the core's bandwidth
+    share), the other XLA ops, and the cores the grid ran on."""
+    compute = sum(k.compute_s for k in est.kernels)
+    dma = sum(k.dma_s for k in est.kernels)
+    cores = max(k.cores for k in est.kernels)
+    return f"compute {compute * 1e3:.3f} ms, dma {dma * 1e3:.3f} ms, other {est.other_ops_s * 1e3:.3f} ms, cores {cores}"
+
+
+def _row(kind, key, config, estimate, measured, notes, parts="") -> dict:
     return {
         "shapes": _shapes_of(kind, key),
         "op": _op_of(kind, key),
@@ -433,6 +450,7 @@ def _row(kind, key, config, estimate, measured, notes) -> dict:
         "estimate ms": "-" if estimate is None else f"{estimate * 1e3:.3f}",
         "measured ms": f"{measured * 1e3:.3f}",
         "est/meas": "-" if estimate is None else f"{estimate / measured:.2f}",
+        "where the estimate goes": parts or "-",
         "notes": notes,
     }
 
