@@ -382,7 +382,7 @@ def main(argv=None):
         chosen = [i for i in chosen if (chip, kind, i) not in done]
         sources.append(f"- {chip} {kind}: {source} ({len(chosen)} of its {len(entries)} measured entries"
                        + (", spread evenly)" if len(chosen) < len(entries) else ")"))
-        rows, ratios = [], []
+        rows, ratios, uses = [], [], []
         for i in chosen:
             key, config, measured = entries[i]
             t0 = time.time()
@@ -404,12 +404,15 @@ def main(argv=None):
                 continue
             seconds, notes, parts = result
             ratios.append(seconds / measured)
-            rows.append(_row(kind, key, config, seconds, measured, notes, parts))
+            use = mxu_use(chip, kind, key, measured, parts)
+            uses.append(use[0])
+            rows.append(_row(kind, key, config, seconds, measured, notes, parts, use))
             print(f"[{chip} {kind}] {i}: est {seconds * 1e3:.3f} ms, measured {measured * 1e3:.3f} ms, "
                   f"ratio {seconds / measured:.2f} ({time.time() - t0:.0f} s); {notes}"
                   + (f" | {parts}" if parts else ""), file=sys.stderr, flush=True)
         s = summary(ratios)
-        overview.append({"chip": chip, "kind": kind, **s})
+        overview.append({"chip": chip, "kind": kind, **s,
+                         "best measured MXU use": f"{max(uses):.0%}" if uses else "-"})
         sections.append(f"## {chip} {kind} ({tpu_estimator.CHIPS[chip].topology})\n\n"
                         f"{s['entries']} entries estimated: median {s['median']}, within 10% {s['within 10%']}, "
                         f"within 25% {s['within 25%']}, worst {s['worst']}.\n\n" + markdown(rows))
@@ -442,7 +445,27 @@ def breakdown(est) -> str:
     return f"compute {compute * 1e3:.3f} ms, dma {dma * 1e3:.3f} ms, other {est.other_ops_s * 1e3:.3f} ms, cores {cores}"
 
 
-def _row(kind, key, config, estimate, measured, notes, parts="") -> dict:
+def flops_of(kind, key) -> float:
+    if kind == "ragged dot":
+        return problem(key)[3]
+    fwd = _attention_specs(key)[4]
+    return fwd if kind == "attention fwd" else 2.5 * fwd
+
+
+def mxu_use(chip, kind, key, measured, parts) -> tuple[float, float | None]:
+    """The share of the MXU peak of the TensorCores the kernel ran on that
+    the measured time reaches, and that the estimate's compute time (the
+    static schedule at the clock) reaches: a measured share far below the
+    schedule's says the chip ran the MXU work slower than scheduled."""
+    spec = tpu_estimator.CHIPS[chip]
+    fields = dict(re.findall(r"(\w+) ([\d.]+)", parts or ""))
+    cores = int(fields.get("cores", 1))
+    ideal = flops_of(kind, key) / (spec.bf16_flops_per_s * cores)
+    compute = float(fields.get("compute", 0)) * 1e-3
+    return ideal / measured, (ideal / compute if compute else None)
+
+
+def _row(kind, key, config, estimate, measured, notes, parts="", use=None) -> dict:
     return {
         "shapes": _shapes_of(kind, key),
         "op": _op_of(kind, key),
@@ -451,6 +474,8 @@ def _row(kind, key, config, estimate, measured, notes, parts="") -> dict:
         "measured ms": f"{measured * 1e3:.3f}",
         "est/meas": "-" if estimate is None else f"{estimate / measured:.2f}",
         "where the estimate goes": parts or "-",
+        "MXU use measured / scheduled": "-" if use is None else
+        f"{use[0]:.0%} / {'-' if use[1] is None else format(use[1], '.0%')}",
         "notes": notes,
     }
 
