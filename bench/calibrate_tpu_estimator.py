@@ -210,6 +210,18 @@ class PipelineRecorder:
         return replay
 
 
+def what_if(chip):
+    """Alternative constants each tpu7x estimate is re-simulated with (same
+    schedule): the unpublished clock 25% lower, and one TensorCore getting
+    half of its modelled HBM share. They test which constant a miss points
+    at; the table's estimates use the published ones."""
+    base = tpu_estimator.CHIPS[chip]
+    if chip != "tpu7x":
+        return None
+    return {"clock 0.75x": dataclasses.replace(base, clock_hz=base.clock_hz * 0.75),
+            "HBM 0.5x": dataclasses.replace(base, hbm_bytes_per_s=base.hbm_bytes_per_s / 2)}
+
+
 def estimate_ragged_dot(chip, key, config, unrecorded: str = "tokamax"):
     from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu as tk
 
@@ -225,7 +237,7 @@ def estimate_ragged_dot(chip, key, config, unrecorded: str = "tokamax"):
 
     with PipelineRecorder() as recorder:
         est = tpu_estimator.estimate(fn, [lhs, rhs, sizes], chip, flops=flops, min_bytes=min_bytes,
-                                     replay_for=recorder.replay_for())
+                                     replay_for=recorder.replay_for(), what_if=what_if(chip))
     notes = [] if sizes_note == "recorded" else [sizes_note]
     notes += [f"{k}={config[k]} ignored" for k in dropped if config[k]]
     return est, notes
@@ -274,7 +286,7 @@ def estimate_attention_fwd(chip, key, config, _unrecorded=None):
     def fn(q, k, v):
         return op(q, k, v, return_residuals=residuals, **kwargs)
 
-    return tpu_estimator.estimate(fn, [q, k, v], chip, flops=flops, min_bytes=min_bytes), []
+    return tpu_estimator.estimate(fn, [q, k, v], chip, flops=flops, min_bytes=min_bytes, what_if=what_if(chip)), []
 
 
 def estimate_attention_bwd(chip, key, config, _unrecorded=None):
@@ -292,7 +304,8 @@ def estimate_attention_bwd(chip, key, config, _unrecorded=None):
 
     # dq, dk, dv: 2.5x the forward's matmuls (recompute logits, dv, dp, dq, dk).
     return tpu_estimator.estimate(fn, [*res, out, dout, q, k, v], chip, flops=2.5 * flops,
-                                  min_bytes=2 * min_bytes + 2 * sum(np.prod(x.shape) * 4 for x in res)), []
+                                  min_bytes=2 * min_bytes + 2 * sum(np.prod(x.shape) * 4 for x in res),
+                                  what_if=what_if(chip)), []
 
 
 ESTIMATORS = {"ragged dot": estimate_ragged_dot, "attention fwd": estimate_attention_fwd,
@@ -382,7 +395,7 @@ def main(argv=None):
         chosen = [i for i in chosen if (chip, kind, i) not in done]
         sources.append(f"- {chip} {kind}: {source} ({len(chosen)} of its {len(entries)} measured entries"
                        + (", spread evenly)" if len(chosen) < len(entries) else ")"))
-        rows, ratios, uses = [], [], []
+        rows, ratios, uses, alternatives = [], [], [], {}
         for i in chosen:
             key, config, measured = entries[i]
             t0 = time.time()
@@ -404,6 +417,8 @@ def main(argv=None):
                 continue
             seconds, notes, parts = result
             ratios.append(seconds / measured)
+            for name, x in re.findall(r"(\w+ [\d.]+x): ([\d.]+)", parts or ""):
+                alternatives.setdefault(name, []).append(float(x) * seconds / measured)
             use = mxu_use(chip, kind, key, measured, parts)
             uses.append(use[0])
             rows.append(_row(kind, key, config, seconds, measured, notes, parts, use))
@@ -412,7 +427,9 @@ def main(argv=None):
                   + (f" | {parts}" if parts else ""), file=sys.stderr, flush=True)
         s = summary(ratios)
         overview.append({"chip": chip, "kind": kind, **s,
-                         "best measured MXU use": f"{max(uses):.0%}" if uses else "-"})
+                         "best measured MXU use": f"{max(uses):.0%}" if uses else "-",
+                         **{f"if {name}: median, within 25%": f"{statistics.median(r):.2f}, {summary(r)['within 25%']}"
+                            for name, r in alternatives.items()}})
         sections.append(f"## {chip} {kind} ({tpu_estimator.CHIPS[chip].topology})\n\n"
                         f"{s['entries']} entries estimated: median {s['median']}, within 10% {s['within 10%']}, "
                         f"within 25% {s['within 25%']}, worst {s['worst']}.\n\n" + markdown(rows))
@@ -442,7 +459,9 @@ def breakdown(est) -> str:
     compute = sum(k.compute_s for k in est.kernels)
     dma = sum(k.dma_s for k in est.kernels)
     cores = max(k.cores for k in est.kernels)
-    return f"compute {compute * 1e3:.3f} ms, dma {dma * 1e3:.3f} ms, other {est.other_ops_s * 1e3:.3f} ms, cores {cores}"
+    alternatives = "".join(f", {name}: {t / est.seconds:.3f}" for name, t in est.what_if.items())
+    return (f"compute {compute * 1e3:.3f} ms, dma {dma * 1e3:.3f} ms, other {est.other_ops_s * 1e3:.3f} ms, "
+            f"cores {cores}{alternatives}")
 
 
 def flops_of(kind, key) -> float:
@@ -474,6 +493,8 @@ def _row(kind, key, config, estimate, measured, notes, parts="", use=None) -> di
         "measured ms": f"{measured * 1e3:.3f}",
         "est/meas": "-" if estimate is None else f"{estimate / measured:.2f}",
         "where the estimate goes": parts or "-",
+        **({"est/meas if " + name: f"{float(x) * estimate / measured:.2f}"
+            for name, x in re.findall(r"(\w+ [\d.]+x): ([\d.]+)", parts or "")} if estimate else {}),
         "MXU use measured / scheduled": "-" if use is None else
         f"{use[0]:.0%} / {'-' if use[1] is None else format(use[1], '.0%')}",
         "notes": notes,

@@ -669,6 +669,7 @@ class Estimate:
     mxu_bound_s: float
     hbm_bound_s: float
     other_ops_s: float = 0.0
+    what_if: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds with other constants
 
     @property
     def roofline_s(self) -> float:
@@ -848,8 +849,9 @@ def core_steps(grid, axis: int | None, cores: int) -> list[np.ndarray]:
 
 
 def estimate_kernel(call: KernelCall, schedule: tpu_schedule.Schedule, chip: Chip,
-                    rp: GridReplay | None = None) -> KernelEstimate:
-    """``rp``: the grid replay, by default from the pallas_call's own grid.
+                    rp: GridReplay | None = None, own_grid: bool | None = None) -> KernelEstimate:
+    """``rp``: the grid replay, by default from the pallas_call's own grid
+    (``own_grid``: whether ``rp`` is that one; default: when ``rp`` is None).
 
     On a megacore (``chip.cores`` > 1) a kernel with a "parallel" grid axis
     runs each half of that axis on its own TensorCore: each core's pipeline
@@ -861,8 +863,8 @@ def estimate_kernel(call: KernelCall, schedule: tpu_schedule.Schedule, chip: Chi
     compute; it reads high only while one core streams and the other is idle
     (an uneven split, the tail)."""
     gm = call.eqn.params["grid_mapping"]
-    own_grid = rp is None
-    rp = replay(call) if own_grid else rp
+    own_grid = rp is None if own_grid is None else own_grid
+    rp = replay(call) if rp is None else rp
     loop = body_loop(rp, schedule)
     cycles, matched, fill = step_cycles(rp, schedule)
     pairs, loops_matched = inner_loops(rp, schedule)
@@ -995,7 +997,8 @@ def compile_with_dump(fn, args, chip: Chip) -> pathlib.Path:
     return own
 
 
-def estimate(fn, args, generation: str, *, flops: float, min_bytes: float, replay_for=None) -> Estimate:
+def estimate(fn, args, generation: str, *, flops: float, min_bytes: float, replay_for=None,
+             what_if: dict[str, Chip] | None = None) -> Estimate:
     """Estimated seconds of ``fn(*args)`` on one JAX device of ``generation``
     (one TensorCore; a v5p megacore's two where a kernel's grid splits).
 
@@ -1004,7 +1007,10 @@ def estimate(fn, args, generation: str, *, flops: float, min_bytes: float, repla
     ``min_bytes`` (what the op must move at least) give the two roofline
     minimums the estimate is compared with. ``replay_for(call)`` may give
     the grid replay of a kernel that runs its own pipeline (``emit_pipeline``:
-    its pallas_call has no grid); None: replay the pallas_call's grid."""
+    its pallas_call has no grid); None: replay the pallas_call's grid.
+    ``what_if``: other constants for the same chip (a clock, a bandwidth):
+    the same schedules and replays re-simulated with each, seconds in
+    ``Estimate.what_if`` (to test which constant a miss points at)."""
     import jax
 
     chip = CHIPS[generation]
@@ -1014,23 +1020,28 @@ def estimate(fn, args, generation: str, *, flops: float, min_bytes: float, repla
         raise ValueError("fn has no Pallas kernel")
     dump = compile_with_dump(fn, args, chip)
     try:
-        kernels, dumps = [], {}
+        kernels, dumps, alternatives = [], {}, {name: 0.0 for name in what_if or {}}
         for call in calls:
             if call.name not in dumps:
                 dumps[call.name] = tpu_schedule.kernel_dumps(dump, call.name)
             if not dumps[call.name]:
                 raise ValueError(f"more calls of {call.name!r} than compiled kernels: XLA merged or removed one")
             schedule = tpu_schedule.read(dumps[call.name].pop(0))
-            kernels.append(estimate_kernel(call, schedule, chip, replay_for(call) if replay_for else None))
+            own_grid = replay_for is None
+            rp = replay(call) if own_grid else replay_for(call)
+            kernels.append(estimate_kernel(call, schedule, chip, rp, own_grid=own_grid))
+            for name, alt in (what_if or {}).items():
+                alternatives[name] += estimate_kernel(call, schedule, alt, rp, own_grid=own_grid).seconds
         other_ops = tpu_schedule.other_ops(dump, {c.name for c in calls})
     finally:
         shutil.rmtree(dump, ignore_errors=True)
     others = other_ops_seconds(other_ops, chip)
     seconds = sum(k.seconds for k in kernels) + others
+    alternatives = {name: t + other_ops_seconds(other_ops, what_if[name]) for name, t in alternatives.items()}
     # The device's MXU peak: a megacore device has two TensorCores' worth.
     return Estimate(generation, kernels, sum(c for c, _ in other_ops.values()), seconds,
                     flops / (chip.bf16_flops_per_s * chip.cores),
-                    min_bytes / chip.hbm_bytes_per_s, others)
+                    min_bytes / chip.hbm_bytes_per_s, others, alternatives)
 
 
 def other_ops_seconds(ops: dict[str, tuple[int, int]], chip: Chip) -> float:
