@@ -419,6 +419,8 @@ def main(argv=None):
             ratios.append(seconds / measured)
             for name, x in re.findall(r"(\w+ [\d.]+x): ([\d.]+)", parts or ""):
                 alternatives.setdefault(name, []).append(float(x) * seconds / measured)
+            if (serial := serial_seconds(parts)) is not None:
+                alternatives.setdefault(NO_OVERLAP, []).append(serial / measured)
             use = mxu_use(chip, kind, key, measured, parts)
             uses.append(use[0])
             rows.append(_row(kind, key, config, seconds, measured, notes, parts, use))
@@ -464,6 +466,16 @@ def breakdown(est) -> str:
             f"cores {cores}{alternatives}")
 
 
+NO_OVERLAP = "no DMA/compute overlap"
+
+
+def serial_seconds(parts) -> float | None:
+    """The estimate's parts summed (compute + DMA + other ops): what the
+    kernel would take if its DMAs never overlapped its compute."""
+    fields = dict(re.findall(r"(compute|dma|other) ([\d.]+) ms", parts or ""))
+    return sum(float(v) for v in fields.values()) * 1e-3 if len(fields) == 3 else None
+
+
 def flops_of(kind, key) -> float:
     if kind == "ragged dot":
         return problem(key)[3]
@@ -495,6 +507,7 @@ def _row(kind, key, config, estimate, measured, notes, parts="", use=None) -> di
         "where the estimate goes": parts or "-",
         **({"est/meas if " + name: f"{float(x) * estimate / measured:.2f}"
             for name, x in re.findall(r"(\w+ [\d.]+x): ([\d.]+)", parts or "")} if estimate else {}),
+        **({f"if {NO_OVERLAP}": f"{serial_seconds(parts) / measured:.2f}"} if serial_seconds(parts) else {}),
         "MXU use measured / scheduled": "-" if use is None else
         f"{use[0]:.0%} / {'-' if use[1] is None else format(use[1], '.0%')}",
         "notes": notes,
