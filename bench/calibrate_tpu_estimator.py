@@ -298,11 +298,23 @@ def estimate_attention_bwd(chip, key, config, _unrecorded=None):
     q, k, v, causal, flops, min_bytes = _attention_specs(key)
     res = [jax.ShapeDtypeStruct(*_shape_dtype(r)) for r in key["residuals"]]
     out, dout = (jax.ShapeDtypeStruct(*_shape_dtype(key[n])) for n in ("out", "dout"))
+    from tokamax._src import precision as precision_lib
+    from tokamax._src.ops.attention import base
+
     op = tk.PallasMosaicTpuFlashAttentionVjp(config=tk.Config(**config))
     kwargs = _attention_kwargs(key, causal)
+    # The VJP op takes its arguments as the forward op passes them: the
+    # recorded precisions as dot algorithm presets, the mask as a Mask.
+    (qk, pv) = [tuple(getattr(jax.lax.Precision, name) for name in pair) for pair in key["precision"]]
+    precision = (precision_lib.to_dot_algorithm_preset(q.dtype, k.dtype, qk),
+                 precision_lib.to_dot_algorithm_preset(v.dtype, v.dtype, pv))
+    full = dict(precision=precision, logits_dtype=np.dtype(key["logits_dtype"]), logits_scale=kwargs["logits_scale"],
+                bias=None, logits_soft_cap=kwargs["logits_soft_cap"], mask=base.Mask(is_causal=causal),
+                dropout_mask=None, dropout_rate=key["dropout_rate"], paging_info=None, q_indices=None, k_indices=None,
+                normalize_output=key["normalize_output"], return_residuals=False)
 
     def fn(m, l, o, do, q, k, v):
-        return op((m, l), o, do, q, k, v, **kwargs)
+        return op((m, l), o, do, q, k, v, **full)
 
     # dq, dk, dv: 2.5x the forward's matmuls (recompute logits, dv, dp, dq, dk).
     return tpu_estimator.estimate(fn, [*res, out, dout, q, k, v], chip, flops=2.5 * flops,
