@@ -224,10 +224,40 @@ def what_if(chip):
             "HBM 0.5x": dataclasses.replace(base, hbm_bytes_per_s=base.hbm_bytes_per_s / 2)}
 
 
+def check_tiles_fit(key, config, lhs, rhs):
+    """The wheel's kernel applies ``tile_k`` to the lhs columns and
+    ``tile_n`` to the output columns (the rhs columns for the weight
+    gradient). A recorded tile at least twice as wide as its dimension is
+    not what the measured kernel ran (the wheel would pad the dimension to
+    it and do that many times the work, which no autotuner picks as best:
+    the measured tokamax applied the dlhs tiles the other way round), so
+    the entry is reported, not estimated. Tiles a little wider than their
+    dimension (2944 for 2880, 1024 for 768) are padding the kernel does."""
+    op = _op_of("ragged dot", key).split()[0]
+    n = rhs.shape[1] if op in ("drhs", "dlhs") else rhs.shape[2]
+    for name, dim in (("tile_k", lhs.shape[1]), ("tile_n", n)):
+        if config[name] >= 2 * dim:
+            raise NotImplementedError(f"recorded {name}={config[name]} is at least twice its dimension {dim} in "
+                                      "the wheel's kernel (the measured tokamax applied it elsewhere)")
+
+
+def refusal(kind, key, config) -> str | None:
+    """Why an entry is not estimated before compiling it, or None."""
+    if kind != "ragged dot":
+        return None
+    lhs, rhs, *_ = problem(key)
+    try:
+        check_tiles_fit(key, config, lhs, rhs)
+    except NotImplementedError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def estimate_ragged_dot(chip, key, config, unrecorded: str = "tokamax"):
     from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu as tk
 
     lhs, rhs, numbers, flops, min_bytes = problem(key)
+    check_tiles_fit(key, config, lhs, rhs)
     sizes, sizes_note = group_sizes_of(key, unrecorded)
     fields = {f.name for f in dataclasses.fields(tk.Config)}
     dropped = sorted(set(config) - fields)  # fields of a newer tokamax than the wheel
@@ -413,7 +443,9 @@ def main(argv=None):
         for i in chosen:
             key, config, measured = entries[i]
             t0 = time.time()
-            if logged is not None:
+            if (refused := refusal(kind, key, config)) is not None:  # also for entries logged before the check
+                result = refused
+            elif logged is not None:
                 if (chip, kind, i) not in logged:
                     continue
                 result = logged[(chip, kind, i)]
