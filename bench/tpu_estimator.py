@@ -48,7 +48,9 @@ Not modelled, and which way each bends an estimate:
   half the chip's HBM bandwidth and MXU peak. A kernel running alone on one
   core may get more than half of the HBM bandwidth (then an HBM-bound
   estimate reads high); two devices each running the kernel share it as
-  modelled.
+  modelled. The calibration finds the opposite on tpu7x ragged dot: its
+  measured times fit half of that share (bench/results/tpu_calibration.md);
+  unpublished, so not adopted: tpu7x estimates of HBM-heavy kernels read low.
 - ICI: a remote copy's bytes are charged at HBM bandwidth on the local DMA
   queue, and a wait on a semaphore another chip signals is taken to have
   landed already (the peer is assumed in step). ICI links are slower than
