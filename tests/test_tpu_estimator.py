@@ -309,7 +309,7 @@ def test_megacore_chips_are_v5p_only():
 
 
 _MEGACORE = """
-import json, sys
+import dataclasses, json, sys
 sys.path.insert(0, {bench!r})
 import tpu_estimator
 import jax, jax.numpy as jnp
@@ -328,12 +328,16 @@ def kernel_fn(rows, semantics, trips):
 out = {{}}
 for name, rows, trips in (("compute", 64, 64), ("copy", 1024, 0)):
     for chip, semantics in (("v5p", "parallel"), ("v5p", "arbitrary"), ("v5e", "parallel")):
+        base = tpu_estimator.CHIPS[chip]
+        what_if = {{"half bandwidth": dataclasses.replace(base, hbm_bytes_per_s=base.hbm_bytes_per_s / 2)}}
         est = tpu_estimator.estimate(kernel_fn(rows, semantics, trips),
-                                     [jax.ShapeDtypeStruct((STEPS * rows, 512), jnp.float32)], chip, flops=0, min_bytes=0)
+                                     [jax.ShapeDtypeStruct((STEPS * rows, 512), jnp.float32)], chip, flops=0, min_bytes=0,
+                                     what_if=what_if)
         [k] = est.kernels
         out[f"{{name}} {{chip}} {{semantics}}"] = dict(
             seconds=k.seconds, cores=k.cores, compute=k.compute_s, dma=k.dma_s, steps=k.steps,
-            cycles=[int(c) for c in k.step_cycles], fetched=k.fetched_bytes, written=k.written_bytes)
+            cycles=[int(c) for c in k.step_cycles], fetched=k.fetched_bytes, written=k.written_bytes,
+            total=est.seconds, half_bandwidth=est.what_if["half bandwidth"])
 out["device cores"] = tpu_estimator.chip_device(tpu_estimator.CHIPS["v5p"]).num_cores
 print(json.dumps(out))
 """
@@ -377,3 +381,11 @@ def test_megacore_shares_the_hbm_so_a_copy_is_not_faster(megacore):
     assert par["dma"] == pytest.approx(arb["dma"]) == pytest.approx(moved / v5p.hbm_bytes_per_s)
     assert par["seconds"] >= moved / v5p.hbm_bytes_per_s
     assert 0.9 <= par["seconds"] / arb["seconds"] <= 1.1
+
+
+def test_what_if_resimulates_the_same_schedule(megacore):
+    # The HBM-bound copy takes about twice as long at half the bandwidth; the
+    # compute-bound kernel hardly changes.
+    copy, compute = megacore["copy v5p arbitrary"], megacore["compute v5p arbitrary"]
+    assert 1.8 <= copy["half_bandwidth"] / copy["total"] <= 2.05
+    assert 1.0 <= compute["half_bandwidth"] / compute["total"] <= 1.1
