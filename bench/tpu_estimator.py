@@ -59,6 +59,10 @@ Not modelled, and which way each bends an estimate:
   start), not at their own bundle: a start issued after compute in the same
   step is taken as issued earlier, which hides up to that compute (reads
   low for kernels that start late).
+- Fixed costs per DMA or per grid step (a DMA's issue-to-first-byte
+  latency, semaphore round trips): the DMA queue charges bytes only. Kernels
+  of many short steps read low (attention at 512-wide blocks on v6e and
+  tpu7x, steps under 1 us: 0.44-0.76 in the calibration).
 - The MXU and vector units run at the static schedule's rate: stalls the
   schedule cannot see (HBM bank conflicts, DMA descriptor limits, small
   strided DMAs below full bandwidth) make every estimate read low.
