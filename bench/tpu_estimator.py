@@ -34,16 +34,23 @@ Nothing is fitted: the clocks and bandwidths are the chips' published peaks.
 Development tool: benchmarks only; never imported by a Hub kernel.
 
 Not modelled, and which way each bends an estimate:
-- Megacore splits (v5p, v4): one JAX device is two TensorCores and Mosaic
-  splits a kernel's "parallel" grid axis between them. The estimate runs the
-  whole grid on one core at the chip's full HBM bandwidth: for a
-  compute-bound kernel with a parallel axis it reads up to 2x high; for an
-  HBM-bound one it is about right (the two cores share the HBM).
-- The second tpu7x TensorCore: a tpu7x chip is two JAX devices; the
-  estimate is for one, with half the chip's HBM bandwidth and MXU peak. A
-  kernel running alone on one core may get more than half of the HBM
-  bandwidth (then an HBM-bound estimate reads high); two devices each
-  running the kernel share it as modelled.
+- Megacore (v5p, v4) is modelled (``estimate_kernel``): a "parallel" grid
+  axis is split between the two TensorCores, each with half the chip's HBM
+  bandwidth. Not modelled: the split Mosaic really picks where several axes
+  are parallel (the first one of more than one step is taken) and a core
+  getting more than half of the bandwidth while the other idles (reads high
+  for an uneven split). A kernel without a grid axis to split (tokamax's
+  ragged dot: ``emit_pipeline`` without ``core_axis``) runs on one core with
+  the chip's full bandwidth.
+- The second tpu7x TensorCore: a tpu7x chip is two JAX devices, not a
+  megacore (``pltpu.get_tpu_info``: TPU7x does not support megacore; Mosaic
+  does not split a grid across them); the estimate is for one device, with
+  half the chip's HBM bandwidth and MXU peak. A kernel running alone on one
+  core may get more than half of the HBM bandwidth (then an HBM-bound
+  estimate reads high); two devices each running the kernel share it as
+  modelled. The calibration finds the opposite on tpu7x ragged dot: its
+  measured times fit half of that share (bench/results/tpu_calibration.md);
+  unpublished, so not adopted: tpu7x estimates of HBM-heavy kernels read low.
 - ICI: a remote copy's bytes are charged at HBM bandwidth on the local DMA
   queue, and a wait on a semaphore another chip signals is taken to have
   landed already (the peer is assumed in step). ICI links are slower than
@@ -52,6 +59,10 @@ Not modelled, and which way each bends an estimate:
   start), not at their own bundle: a start issued after compute in the same
   step is taken as issued earlier, which hides up to that compute (reads
   low for kernels that start late).
+- Fixed costs per DMA or per grid step (a DMA's issue-to-first-byte
+  latency, semaphore round trips): the DMA queue charges bytes only. Kernels
+  of many short steps read low (attention at 512-wide blocks on v6e and
+  tpu7x, steps under 1 us: 0.44-0.76 in the calibration).
 - The MXU and vector units run at the static schedule's rate: stalls the
   schedule cannot see (HBM bank conflicts, DMA descriptor limits, small
   strided DMAs below full bandwidth) make every estimate read low.
@@ -78,7 +89,16 @@ DUMP_ROOT = pathlib.Path(tempfile.gettempdir()) / f"tpu_estimator_dumps_{os.getp
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    """One TensorCore's published peaks. MXU: vmatmul rows x width per op."""
+    """A JAX device of the chip: one TensorCore's published peaks, and how
+    many TensorCores the device has. ``cores=2``: a megacore, whose two
+    TensorCores share the chip's HBM and split a kernel's "parallel" grid
+    axis. Megacore chips: v4 and v5p only (docs.jax.dev Pallas TPU guides:
+    "Pipelining", section Megacore: "Megacore is only currently available on
+    TPU v4 and TPU v5p"; "Core-specific programming": "For recent TPU chips
+    (v4, v5p), every JAX device may contain 2 TensorCores (aka. a
+    Megacore)"). v5e and v6e have one TensorCore per chip; a tpu7x chip's two
+    TensorCores are two JAX devices (cloud.google.com/tpu/docs/tpu7x), so a
+    device is one core. MXU: vmatmul rows x width per op."""
 
     name: str
     topology: str
@@ -94,8 +114,7 @@ CHIPS = {
     "v5e": Chip("v5e", "v5e:1x1", 1.5e9, 819e9, 197e12),
     # v5p: 459 TF/s bf16 and 2765 GB/s per chip, whose one device is a
     # megacore of two TensorCores (cloud.google.com/tpu/docs/v5p). One core: 4
-    # MXUs x (128 x 128) at 1.75 GHz = 229 TF/s. ``cores=2`` records the
-    # megacore, whose split of "parallel" grid axes is not modelled (above).
+    # MXUs x (128 x 128) at 1.75 GHz = 229 TF/s; the device has two of them.
     "v5p": Chip("v5p", "v5p:1x1x1", 1.75e9, 2765e9, 459e12 / 2, cores=2),
     # 2 MXUs x (16 x 256 x 256) per 8 cycles at 1.75 GHz = 918 TF/s.
     "v6e": Chip("v6e", "v6e:1x1", 1.75e9, 1640e9, 918e12),
@@ -642,6 +661,9 @@ class KernelEstimate:
     inner_loops_matched: bool = True  # the schedule's inner loops paired with the kernel's
     manual_dmas_matched: bool = True  # the kernel's dma_waits placed on the schedule's
     manual_dma_bytes: int = 0  # moved by the kernel's own DMAs (make_async_copy ...)
+    cores: int = 1  # TensorCores the grid ran on (2: split on a megacore)
+    compute_s: float = 0.0  # the busiest core's step cycles at the clock
+    dma_s: float = 0.0  # the busiest core's bytes at its share of the HBM bandwidth
 
 
 @dataclasses.dataclass
@@ -653,6 +675,7 @@ class Estimate:
     mxu_bound_s: float
     hbm_bound_s: float
     other_ops_s: float = 0.0
+    what_if: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds with other constants
 
     @property
     def roofline_s(self) -> float:
@@ -782,12 +805,72 @@ def manual_dma_events(rp: GridReplay, schedule: tpu_schedule.Schedule, pairs) ->
     return events, matched
 
 
-def estimate_kernel(call: KernelCall, schedule: tpu_schedule.Schedule, chip: Chip,
-                    rp: GridReplay | None = None) -> KernelEstimate:
-    """``rp``: the grid replay, by default from the pallas_call's own grid."""
+def megacore_split_axis(call: KernelCall, rp: GridReplay, chip: Chip) -> int | None:
+    """The grid axis a megacore splits between its TensorCores, or None.
+
+    Mosaic runs a kernel's grid on both TensorCores of a megacore device when
+    the kernel marks grid axes "parallel" (the Pallas TPU pipelining guide,
+    "Megacore": "Pallas will handle splitting up the grid automatically",
+    available on v4 and v5p only). Taken here: the first "parallel" axis of
+    more than one step (an axis a ``vmap`` of the pallas_call added is
+    parallel too). A gridless kernel (``emit_pipeline`` inside, as
+    tokamax's ragged dot, whose pipeline is not given a ``core_axis``) runs on
+    one core."""
+    if chip.cores < 2:
+        return None
+    semantics = grid_semantics(call)
+    if len(semantics) != len(rp.grid):
+        return None
+    for axis, (kind, size) in enumerate(zip(semantics, rp.grid)):
+        if kind == "parallel" and size > 1:
+            return axis
+    return None
+
+
+def grid_semantics(call: KernelCall) -> tuple[str, ...]:
+    """Per grid axis "parallel" or "arbitrary", as Mosaic lowers them: the
+    kernel's ``dimension_semantics`` (default arbitrary) with the axes a
+    ``vmap`` of the pallas_call added marked parallel."""
     gm = call.eqn.params["grid_mapping"]
-    own_grid = rp is None
-    rp = replay(call) if own_grid else rp
+    params = call.eqn.params.get("compiler_params")
+    if isinstance(params, dict):
+        params = params.get("mosaic_tpu") or params.get("mosaic")
+    vmapped = set(getattr(gm, "vmapped_dims", ()) or ())
+    user = [str(getattr(s, "value", s)).lower() for s in (getattr(params, "dimension_semantics", None) or ())]
+    user = user or ["arbitrary"] * (len(gm.grid) - len(vmapped))
+    it = iter(user)
+    return tuple("parallel" if i in vmapped else next(it, "arbitrary") for i in range(len(gm.grid)))
+
+
+def core_steps(grid, axis: int | None, cores: int) -> list[np.ndarray]:
+    """The grid steps (in iteration order) each TensorCore runs: ``axis`` cut
+    into ``cores`` contiguous parts, the first parts one longer when it does
+    not divide; everything on one core when ``axis`` is None."""
+    steps = int(np.prod(grid))
+    if axis is None:
+        return [np.arange(steps)]
+    index = grid_indices(grid)[axis]
+    per = -(-grid[axis] // cores)
+    return [np.nonzero(index // per == c)[0] for c in range(cores)]
+
+
+def estimate_kernel(call: KernelCall, schedule: tpu_schedule.Schedule, chip: Chip,
+                    rp: GridReplay | None = None, own_grid: bool | None = None) -> KernelEstimate:
+    """``rp``: the grid replay, by default from the pallas_call's own grid
+    (``own_grid``: whether ``rp`` is that one; default: when ``rp`` is None).
+
+    On a megacore (``chip.cores`` > 1) a kernel with a "parallel" grid axis
+    runs each half of that axis on its own TensorCore: each core's pipeline
+    is simulated on its own steps (its first step fetches its blocks afresh)
+    with half the chip's HBM bandwidth, and the kernel takes as long as the
+    slower core. Half, because the two cores run the same pipeline on halves
+    of the grid, so they stream at the same time and the shared HBM serves
+    both: exact for an HBM-bound kernel, irrelevant where the DMAs hide under
+    compute; it reads high only while one core streams and the other is idle
+    (an uneven split, the tail)."""
+    gm = call.eqn.params["grid_mapping"]
+    own_grid = rp is None if own_grid is None else own_grid
+    rp = replay(call) if rp is None else rp
     loop = body_loop(rp, schedule)
     cycles, matched, fill = step_cycles(rp, schedule)
     pairs, loops_matched = inner_loops(rp, schedule)
@@ -796,35 +879,81 @@ def estimate_kernel(call: KernelCall, schedule: tpu_schedule.Schedule, chip: Chi
     if manual is not None:  # an unplaced wait: at the step's end
         manual = [[(min(o, c), *rest) for o, *rest in ev] for ev, c in zip(manual, cycles)]
     first_operand = sum(1 for d in gm.grid if not isinstance(d, int)) + gm.num_index_operands
+    memories = [_operand_memory(schedule, first_operand + j) if own_grid else "hbm"
+                for j in range(len(rp.block_indices))]
+    parts = core_steps(rp.grid, megacore_split_axis(call, rp, chip), chip.cores)
+    parts = [p for p in parts if len(p)] or [np.arange(rp.steps)]
+    bandwidth = chip.hbm_bytes_per_s / len(parts)
+    cores = [core_pipeline(rp, sel, cycles, memories, manual) for sel in parts]
+    seconds = compute = dma = 0.0
+    for c in cores:
+        # XLA's copies of VMEM-placed operands run once, around the kernel, at
+        # the chip's bandwidth: each core's share of them at its own.
+        t = simulate(c.cycles, c.fetches, c.writeback, clock_hz=chip.clock_hz, hbm_bytes_per_s=bandwidth,
+                     prologue_cycles=loop.start + fill, epilogue_cycles=schedule.total_cycles - loop.end,
+                     before_bytes=c.before / len(parts), after_bytes=c.after / len(parts), manual=c.manual)
+        seconds = max(seconds, t)
+        compute = max(compute, float(c.cycles.sum()) / chip.clock_hz)
+        dma = max(dma, c.moved_bytes / bandwidth)
+    manual_bytes = sum(int(e.nbytes * e.active.sum()) for e in rp.dmas if e.kind == "start")
+    return KernelEstimate(call.name, rp.steps, loop.cycles, cycles, matched, len(pairs),
+                          sum(c.fetched for c in cores), sum(c.written for c in cores),
+                          cores[0].before + cores[0].after, seconds, loops_matched, dmas_matched, manual_bytes,
+                          cores=len(parts), compute_s=compute, dma_s=dma)
+
+
+@dataclasses.dataclass
+class CorePipeline:
+    """What one TensorCore's pipeline does over its grid steps."""
+
+    cycles: np.ndarray
+    fetches: list  # (bytes per step, lookahead) per input block mapping
+    writeback: np.ndarray
+    before: int  # bytes XLA copies into VMEM before the kernel
+    after: int
+    manual: list | None
+
+    @property
+    def fetched(self) -> int:
+        return int(sum(f.sum() for f, _ in self.fetches))
+
+    @property
+    def written(self) -> int:
+        return int(self.writeback.sum())
+
+    @property
+    def moved_bytes(self) -> int:
+        manual = sum(b for ev in self.manual or () for _, kind, b, _ in ev if kind == "start")
+        return self.fetched + self.written + manual
+
+
+def core_pipeline(rp: GridReplay, sel: np.ndarray, cycles: np.ndarray, memories: list[str],
+                  manual: list | None) -> CorePipeline:
+    """The fetches and write-backs of the steps ``sel`` run in order on one
+    core: a block is fetched when it differs from the core's previous step's
+    (the core's first step: always), written back when the next step moves
+    to another block (and at the core's last step)."""
     fetches = []
-    writeback = np.zeros(rp.steps, np.int64)
+    writeback = np.zeros(len(sel), np.int64)
     before = after = 0
     for j, (idx, nbytes, out) in enumerate(zip(rp.block_indices, rp.block_bytes, rp.is_output)):
-        memory = _operand_memory(schedule, first_operand + j) if own_grid else "hbm"
         if rp.manual and rp.manual[j]:  # memory_space=ANY: only the kernel's own DMAs move it
             continue
-        if memory == "vmem":  # XLA copies the whole array in (or out) around the kernel
+        if memories[j] == "vmem":  # XLA copies the whole array in (or out) around the kernel
             if out:
                 after += rp.whole_arrays[j]
             else:
                 before += rp.whole_arrays[j]
             continue
-        ch = changed(idx)
-        if out:  # written back when the next step moves to another block (and at the end)
-            last = np.concatenate([ch[1:], [True]]) if rp.steps else ch
+        ch = changed(idx[sel])
+        if out:
+            last = np.concatenate([ch[1:], [True]]) if len(sel) else ch
             writeback += np.where(last, nbytes, 0)
         else:
             buffers = rp.buffers[j] if rp.buffers else 2
             fetches.append((np.where(ch, nbytes, 0), max(buffers - 1, 1)))
-    seconds = simulate(cycles, fetches, writeback, clock_hz=chip.clock_hz, hbm_bytes_per_s=chip.hbm_bytes_per_s,
-                       prologue_cycles=loop.start + fill,
-                       epilogue_cycles=schedule.total_cycles - loop.end,
-                       before_bytes=before, after_bytes=after, manual=manual)
-    fetched = int(sum(f.sum() for f, _ in fetches))
-    manual_bytes = sum(int(e.nbytes * e.active.sum()) for e in rp.dmas if e.kind == "start")
-    return KernelEstimate(call.name, rp.steps, loop.cycles, cycles, matched, len(pairs),
-                          fetched, int(writeback.sum()), before + after, seconds,
-                          loops_matched, dmas_matched, manual_bytes)
+    return CorePipeline(cycles[sel], fetches, writeback, before, after,
+                        [manual[i] for i in sel] if manual is not None else None)
 
 
 def _libtpu_dump_dir() -> pathlib.Path:
@@ -874,15 +1003,20 @@ def compile_with_dump(fn, args, chip: Chip) -> pathlib.Path:
     return own
 
 
-def estimate(fn, args, generation: str, *, flops: float, min_bytes: float, replay_for=None) -> Estimate:
-    """Estimated seconds of ``fn(*args)`` on one TensorCore of ``generation``.
+def estimate(fn, args, generation: str, *, flops: float, min_bytes: float, replay_for=None,
+             what_if: dict[str, Chip] | None = None) -> Estimate:
+    """Estimated seconds of ``fn(*args)`` on one JAX device of ``generation``
+    (one TensorCore; a v5p megacore's two where a kernel's grid splits).
 
     ``args``: concrete numpy arrays for what decides the grid (group sizes,
     routing), ``jax.ShapeDtypeStruct`` for the rest. ``flops`` and
     ``min_bytes`` (what the op must move at least) give the two roofline
     minimums the estimate is compared with. ``replay_for(call)`` may give
     the grid replay of a kernel that runs its own pipeline (``emit_pipeline``:
-    its pallas_call has no grid); None: replay the pallas_call's grid."""
+    its pallas_call has no grid); None: replay the pallas_call's grid.
+    ``what_if``: other constants for the same chip (a clock, a bandwidth):
+    the same schedules and replays re-simulated with each, seconds in
+    ``Estimate.what_if`` (to test which constant a miss points at)."""
     import jax
 
     chip = CHIPS[generation]
@@ -892,21 +1026,28 @@ def estimate(fn, args, generation: str, *, flops: float, min_bytes: float, repla
         raise ValueError("fn has no Pallas kernel")
     dump = compile_with_dump(fn, args, chip)
     try:
-        kernels, dumps = [], {}
+        kernels, dumps, alternatives = [], {}, {name: 0.0 for name in what_if or {}}
         for call in calls:
             if call.name not in dumps:
                 dumps[call.name] = tpu_schedule.kernel_dumps(dump, call.name)
             if not dumps[call.name]:
                 raise ValueError(f"more calls of {call.name!r} than compiled kernels: XLA merged or removed one")
             schedule = tpu_schedule.read(dumps[call.name].pop(0))
-            kernels.append(estimate_kernel(call, schedule, chip, replay_for(call) if replay_for else None))
+            own_grid = replay_for is None
+            rp = replay(call) if own_grid else replay_for(call)
+            kernels.append(estimate_kernel(call, schedule, chip, rp, own_grid=own_grid))
+            for name, alt in (what_if or {}).items():
+                alternatives[name] += estimate_kernel(call, schedule, alt, rp, own_grid=own_grid).seconds
         other_ops = tpu_schedule.other_ops(dump, {c.name for c in calls})
     finally:
         shutil.rmtree(dump, ignore_errors=True)
     others = other_ops_seconds(other_ops, chip)
     seconds = sum(k.seconds for k in kernels) + others
-    return Estimate(generation, kernels, sum(c for c, _ in other_ops.values()), seconds, flops / chip.bf16_flops_per_s,
-                    min_bytes / chip.hbm_bytes_per_s, others)
+    alternatives = {name: t + other_ops_seconds(other_ops, what_if[name]) for name, t in alternatives.items()}
+    # The device's MXU peak: a megacore device has two TensorCores' worth.
+    return Estimate(generation, kernels, sum(c for c, _ in other_ops.values()), seconds,
+                    flops / (chip.bf16_flops_per_s * chip.cores),
+                    min_bytes / chip.hbm_bytes_per_s, others, alternatives)
 
 
 def other_ops_seconds(ops: dict[str, tuple[int, int]], chip: Chip) -> float:

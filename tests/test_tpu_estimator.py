@@ -291,3 +291,101 @@ def test_manual_dmas_bytes_and_waits_on_the_schedule(inner_and_manual):
     # output's write-back, and at most that plus all of its compute.
     dma = (c["bytes"] + c["written"]) / v5e.hbm_bytes_per_s
     assert dma <= c["seconds"] <= dma + c["cycles"] / v5e.clock_hz + 1e-9
+
+
+def test_megacore_core_steps_split_the_axis_in_contiguous_halves():
+    # grid (3, 2), split on axis 0: core 0 takes rows 0-1 (steps 0-3), core 1 row 2.
+    core0, core1 = tpu_estimator.core_steps((3, 2), 0, 2)
+    assert core0.tolist() == [0, 1, 2, 3] and core1.tolist() == [4, 5]
+    # split on the inner axis: each core takes one column of every row
+    core0, core1 = tpu_estimator.core_steps((3, 2), 1, 2)
+    assert core0.tolist() == [0, 2, 4] and core1.tolist() == [1, 3, 5]
+    [every] = tpu_estimator.core_steps((3, 2), None, 2)
+    assert every.tolist() == list(range(6))
+
+
+def test_megacore_chips_are_v5p_only():
+    assert {name for name, chip in tpu_estimator.CHIPS.items() if chip.cores > 1} == {"v5p"}
+
+
+_MEGACORE = """
+import dataclasses, json, sys
+sys.path.insert(0, {bench!r})
+import tpu_estimator
+import jax, jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+STEPS = 8
+
+def kernel_fn(rows, semantics, trips):
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jax.lax.fori_loop(0, trips, lambda i, acc: jnp.tanh(acc), x_ref[...]) if trips else x_ref[...] + 1
+    spec = pl.BlockSpec((rows, 512), lambda i: (i, 0))
+    return lambda x: pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((STEPS * rows, 512), jnp.float32),
+                                    grid=(STEPS,), in_specs=[spec], out_specs=spec, name="k",
+                                    compiler_params=pltpu.CompilerParams(dimension_semantics=(semantics,)))(x)
+
+out = {{}}
+for name, rows, trips in (("compute", 64, 64), ("copy", 1024, 0)):
+    for chip, semantics in (("v5p", "parallel"), ("v5p", "arbitrary"), ("v5e", "parallel")):
+        base = tpu_estimator.CHIPS[chip]
+        what_if = {{"half bandwidth": dataclasses.replace(base, hbm_bytes_per_s=base.hbm_bytes_per_s / 2)}}
+        est = tpu_estimator.estimate(kernel_fn(rows, semantics, trips),
+                                     [jax.ShapeDtypeStruct((STEPS * rows, 512), jnp.float32)], chip, flops=0, min_bytes=0,
+                                     what_if=what_if)
+        [k] = est.kernels
+        out[f"{{name}} {{chip}} {{semantics}}"] = dict(
+            seconds=k.seconds, cores=k.cores, compute=k.compute_s, dma=k.dma_s, steps=k.steps,
+            cycles=[int(c) for c in k.step_cycles], fetched=k.fetched_bytes, written=k.written_bytes,
+            total=est.seconds, half_bandwidth=est.what_if["half bandwidth"])
+out["device cores"] = tpu_estimator.chip_device(tpu_estimator.CHIPS["v5p"]).num_cores
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def megacore():
+    import json
+
+    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    env.pop("LIBTPU_INIT_ARGS", None)
+    code = _MEGACORE.format(bench=str(ROOT / "bench"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_megacore_splits_a_parallel_grid_between_two_cores(megacore):
+    r = megacore
+    v5p = tpu_estimator.CHIPS["v5p"]
+    assert r["device cores"] == 2  # libtpu's v5p device is a megacore too
+    par, arb, v5e = r["compute v5p parallel"], r["compute v5p arbitrary"], r["compute v5e parallel"]
+    assert (par["cores"], arb["cores"], v5e["cores"]) == (2, 1, 1)
+    # Compute-bound (64 tanh passes per 128 KiB block): each core runs 4 of
+    # the 8 steps, so the busiest core computes half of the steps...
+    assert par["compute"] == pytest.approx(sum(par["cycles"][:4]) / v5p.clock_hz)
+    assert arb["compute"] == pytest.approx(sum(arb["cycles"]) / v5p.clock_hz)
+    # ... and the kernel takes about half as long as on one core.
+    assert 0.45 <= par["seconds"] / arb["seconds"] <= 0.6
+
+
+def test_megacore_shares_the_hbm_so_a_copy_is_not_faster(megacore):
+    r = megacore
+    v5p = tpu_estimator.CHIPS["v5p"]
+    par, arb = r["copy v5p parallel"], r["copy v5p arbitrary"]
+    assert par["cores"] == 2
+    moved = 2 * 8 * 1024 * 512 * 4  # every 2 MiB block read once and written once
+    assert par["fetched"] + par["written"] == arb["fetched"] + arb["written"] == moved
+    # Each core moves half the bytes at half the bandwidth: the same DMA time,
+    # and the HBM-bound kernel takes about as long split as on one core.
+    assert par["dma"] == pytest.approx(arb["dma"]) == pytest.approx(moved / v5p.hbm_bytes_per_s)
+    assert par["seconds"] >= moved / v5p.hbm_bytes_per_s
+    assert 0.9 <= par["seconds"] / arb["seconds"] <= 1.1
+
+
+def test_what_if_resimulates_the_same_schedule(megacore):
+    # The HBM-bound copy takes about twice as long at half the bandwidth; the
+    # compute-bound kernel hardly changes.
+    copy, compute = megacore["copy v5p arbitrary"], megacore["compute v5p arbitrary"]
+    assert 1.8 <= copy["half_bandwidth"] / copy["total"] <= 2.05
+    assert 1.0 <= compute["half_bandwidth"] / compute["total"] <= 1.1
