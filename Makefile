@@ -19,8 +19,9 @@ hub-compat: bootstrap
 test: bootstrap
 	$(ENV) $(PY) -m pytest -q tests
 
-# Measured tables beyond tokamax's wheel (v5p, v6e, the larger tpu7x one); absent: the wheel's only.
-CALIBRATION_DATA ?= ../shared/calibration/tokamax-783ea95
+# Measured tables beyond tokamax's wheel (v5p, v6e, the larger tpu7x one): a folder in tokamax's
+# repository layout at commit 783ea95 (make bench CALIBRATION_DATA=DIR); unset: the wheel's tables only.
+CALIBRATION_DATA ?=
 
 bench:
 	bash scripts/bootstrap.sh bench
@@ -28,7 +29,7 @@ bench:
 	$(ENV) $(PY) bench/bench_experts.py
 	$(ENV) $(PY) bench/bench_attention.py
 	$(ENV) $(PY) bench/bench_attention_tpu.py --generations v5e v6e tpu7x
-	$(ENV) $(PY) bench/calibrate_tpu_estimator.py --data $(CALIBRATION_DATA) --max-entries 8 \
+	$(ENV) $(PY) bench/calibrate_tpu_estimator.py $(if $(CALIBRATION_DATA),--data $(CALIBRATION_DATA)) --max-entries 8 \
 		--out bench/results/tpu_calibration_bounded.md
 	$(ENV) $(PY) bench/bench_tpu_estimates.py --chips v5e v6e tpu7x
 	$(ENV) $(PY) bench/bench_expert_parallel.py
