@@ -258,16 +258,22 @@ print(json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def inner_and_manual():
+def _estimate_in_subprocess(template: str) -> dict:
+    """Run an estimator script in a fresh process (libtpu reads its dump flag once per process); its last
+    stdout line is JSON."""
     import json
 
     env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
     env.pop("LIBTPU_INIT_ARGS", None)
-    code = _INNER_AND_MANUAL.format(bench=str(ROOT / "bench"))
+    code = template.format(bench=str(ROOT / "bench"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def inner_and_manual():
+    return _estimate_in_subprocess(_INNER_AND_MANUAL)
 
 
 def test_inner_loop_charged_by_its_trip_count(inner_and_manual):
@@ -345,14 +351,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def megacore():
-    import json
-
-    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-    env.pop("LIBTPU_INIT_ARGS", None)
-    code = _MEGACORE.format(bench=str(ROOT / "bench"))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return _estimate_in_subprocess(_MEGACORE)
 
 
 def test_megacore_splits_a_parallel_grid_between_two_cores(megacore):
