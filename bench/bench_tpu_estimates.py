@@ -9,18 +9,21 @@ calibration error in bench/results/tpu_calibration.md):
 
 - ours, two matmuls: ``gmm`` (up, f32 out) -> gate -> ``gmm`` (down), our tiling rule;
 - ours, fused: ``fused_glu_experts`` (both matmuls and the gate in one kernel);
-- tokamax 0.0.12 ``PallasMosaicTpuRaggedDot`` twice, its own default config;
-- JAX's megablox ``gmm`` twice, its default tiling (128, 128, 128).
+- tokamax 0.0.12 ``PallasMosaicTpuRaggedDot`` twice and JAX's megablox ``gmm``
+  twice, each ``@best``: every matmul at the best tiles of the recorded sweep
+  of ``peer_sweep.py`` (sweeping what the record lacks).
 
-A peer at a named config: ``tokamax@tm,tk,tn[,input buffers]`` or
-``megablox@tm,tk,tn`` in ``--contenders``; the table then adds the best peer
-of the row and its ratio to ours.
+A peer at named configs: ``tokamax@tm,tk,tn[,input buffers]`` (both matmuls)
+or ``tokamax@UP/DOWN``, ``megablox@tm,tk,tn``; ``tokamax`` / ``megablox``
+alone: the peer's own default (tokamax's heuristics, megablox's 128 x 128 x
+128). The table names the best peer of each row, its configs, and ours / it.
 
 Weights are in Transformers' ``[E, out, in]`` layout for ours, ``[E, in, out]``
 for the peers (their layout): the same bytes. Writes bench/results/tpu_estimates.md
 and tpu_estimates.png.
 
     python bench/bench_tpu_estimates.py [--chips v5e v6e] [--models qwen3 ...] [--tokens 1 8 ...]
+        [--contenders ours "ours fused" tokamax@best megablox@best] [--start-from v6e]
 """
 
 from __future__ import annotations
@@ -34,9 +37,10 @@ import time
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import peer_sweep  # noqa: E402
 import tpu_estimator  # noqa: E402  (sets libtpu's dump folder before jax loads libtpu)
 from calibrate_tpu_estimator import PipelineRecorder  # noqa: E402
-from common import ROOT, markdown, use_shipped_packages  # noqa: E402
+from common import ROOT, calibration_summary, markdown, use_shipped_packages  # noqa: E402
 
 MODELS = {  # hidden, intermediate, experts, top_k, gate
     "qwen3-30b-a3b": (2048, 768, 128, 8, "glu_silu"),
@@ -44,7 +48,7 @@ MODELS = {  # hidden, intermediate, experts, top_k, gate
     "mixtral-8x7b": (4096, 14336, 8, 2, "glu_silu"),
     "deepseek-v3": (7168, 2048, 256, 8, "glu_silu"),
 }
-CONTENDERS = ("ours", "ours fused", "tokamax", "megablox")
+CONTENDERS = ("ours", "ours fused", "tokamax@best", "megablox@best")
 RESULTS = ROOT / "bench" / "results"
 
 
@@ -78,28 +82,16 @@ def contender_fn(name, gate, generation):
                 raise ValueError("one expert does not fit VMEM: the rule runs two matmuls")
             return pallas_fused_experts.fused_glu_experts(x, up, down, gs, gate=gate, out_dtype=jnp.float32,
                                                           tm=tm, generation=generation)
-    elif peer_name(name) == "tokamax":
-        from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu as tk
-
-        config = peer_config(name)
-        if config is None:
-            op = tk.PallasMosaicTpuRaggedDot()
+    elif peer_name(name) in peer_sweep.PEERS:
+        up_config, down_config = peer_configs(name)
+        if up_config is None:  # the peer's own default: tokamax's heuristics, megablox's 128 x 128 x 128
+            up_matmul = down_matmul = default_peer_matmul(peer_name(name))
         else:
-            tm, tk_, tn, *buffers = config
-            op = tk.PallasMosaicTpuRaggedDot(config=tk.Config(
-                tile_m=tm, tile_k=tk_, tile_n=tn, input_buffer_count=buffers[0] if buffers else 2))
+            up_matmul = peer_sweep.peer_matmul(peer_name(name), up_config)
+            down_matmul = peer_sweep.peer_matmul(peer_name(name), down_config)
 
         def fn(x, up, down, gs):
-            h = op(x, up, group_sizes=gs, preferred_element_type=jnp.float32)
-            return op(act(h), down, group_sizes=gs, preferred_element_type=jnp.float32)
-    elif peer_name(name) == "megablox":
-        from jax.experimental.pallas.ops.tpu.megablox import gmm
-
-        tiling = dict(tiling=peer_config(name)[:3]) if peer_config(name) else {}
-
-        def fn(x, up, down, gs):
-            h = gmm(x, up, gs, preferred_element_type=jnp.float32, **tiling)
-            return gmm(act(h), down, gs, preferred_element_type=jnp.float32, **tiling)
+            return down_matmul(act(up_matmul(x, up, gs)), down, gs)
     else:
         raise ValueError(name)
     return fn
@@ -110,12 +102,29 @@ def peer_name(contender: str) -> str:
     return contender.split("@")[0]
 
 
-def peer_config(contender: str) -> tuple[int, ...] | None:
-    """A peer's named config: ``name@tm,tk,tn`` (tokamax may add its input
-    buffer count: ``,3``); None: the peer's own default."""
+def peer_configs(contender: str) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+    """A peer's named configs for the up and the down matmul:
+    ``name@tm,tk,tn`` (both), ``name@UP/DOWN``; tokamax adds its input buffer
+    count (``,3``; default 2). (None, None): the peer's own default."""
     if "@" not in contender:
-        return None
-    return tuple(int(v) for v in contender.split("@")[1].split(","))
+        return None, None
+    parts = [tuple(int(v) for v in part.split(",")) for part in contender.split("@")[1].split("/")]
+    if peer_name(contender) == "tokamax":
+        parts = [p if len(p) == 4 else p + (2,) for p in parts]
+    return parts[0], parts[-1]
+
+
+def default_peer_matmul(peer: str):
+    import jax.numpy as jnp
+
+    if peer == "tokamax":
+        from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu as tk
+
+        op = tk.PallasMosaicTpuRaggedDot()
+        return lambda x, w, gs: op(x, w, group_sizes=gs, preferred_element_type=jnp.float32)
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    return lambda x, w, gs: gmm(x, w, gs, preferred_element_type=jnp.float32)
 
 
 def weight_specs(name, hidden, inter, experts):
@@ -158,23 +167,34 @@ def estimate_one(chip, model, tokens, name, rng_seed=0):
     return tpu_estimator.estimate(fn, [x, up, down, gs], chip, flops=flops, min_bytes=min_bytes)
 
 
-_LINE = re.compile(r"^\[(\S+)\] (\S+) (\d+) (ours fused|ours|tokamax\S*|megablox\S*): (.*)$")
+def resolve(chip, model, tokens, name, record, start_from=None):
+    """``peer@best`` -> the peer at its swept best configs (``peer_sweep``);
+    other names unchanged. None: the peer runs no config of the shape."""
+    if not name.endswith("@best"):
+        return name
+    return peer_sweep.best_contender(chip, peer_name(name), model, tokens, record, start_from)
+
+
+_LINE = re.compile(r"^\[(\S+)\] (\S+) (\d+) (ours fused|ours|\S+): (.*?)(?: config (\S+))?$")
 _TIME = re.compile(r"^([\d.]+) us \(roofline")
 
 
-def parse_logs(paths) -> dict:
-    """{(chip, model, tokens): {contender: seconds or error text}} from the
-    progress lines this script prints (``--from-logs``: tables from runs that
-    were cut short)."""
+def parse_logs(paths) -> tuple[dict, dict]:
+    """{(chip, model, tokens): {contender: seconds or error text}} and the
+    configs the ``@best`` contenders ran, from the progress lines this script
+    prints (``--from-logs``: tables from runs that were cut short)."""
     out: dict = {}
+    configs: dict = {}
     for path in paths:
         for line in pathlib.Path(path).read_text().splitlines():
             m = _LINE.match(line)
             if m:
-                chip, model, tokens, name, rest = m.groups()
+                chip, model, tokens, name, rest, config = m.groups()
                 t = _TIME.match(rest)
                 out.setdefault((chip, model, int(tokens)), {})[name] = float(t.group(1)) * 1e-6 if t else rest
-    return out
+                if config:
+                    configs.setdefault((chip, model, int(tokens)), {})[name] = config
+    return out, configs
 
 
 def _short_reason(error) -> str:
@@ -183,13 +203,26 @@ def _short_reason(error) -> str:
     for needle, reason in (("CompileTimeHbmOom", "weights exceed the chip's HBM"),
                            ("must be >= 128", "takes >= 128 rows only"),
                            ("must be divisible by x-dimension tile size", "rows must be a multiple of its 128 tile"),
-                           ("does not fit VMEM", "rule runs two matmuls (expert > VMEM)")):
+                           ("does not fit VMEM", "rule runs two matmuls (expert > VMEM)"),
+                           ("no config runs", "no config of its sweep runs the shape")):
         if needle in text:
             return reason
     return text.splitlines()[0][:70]
 
 
-def table_row(chip, model, tokens, results, contenders):
+def config_text(resolved: str) -> str:
+    """``tokamax@512,2048,768,2/256,2048,1024,3`` -> ``up (512, 2048, 768) x2, down (256, 2048, 1024) x3``."""
+    up, down = peer_configs(resolved)
+    if up is None:
+        return "its default"
+
+    def one(c):
+        return f"({c[0]}, {c[1]}, {c[2]})" + (f" x{c[3]}" if len(c) == 4 else "")
+
+    return one(up) if up == down else f"up {one(up)}, down {one(down)}"
+
+
+def table_row(chip, model, tokens, results, contenders, configs):
     chip_ = tpu_estimator.CHIPS[chip]
     _, flops, min_bytes = problem_size(model, tokens)
     mxu, hbm = flops / chip_.bf16_flops_per_s, min_bytes / chip_.hbm_bytes_per_s
@@ -200,55 +233,69 @@ def table_row(chip, model, tokens, results, contenders):
     row = {"model": model, "tokens": tokens}
     for name in contenders:
         row[f"{name} us"] = f"{times[name] * 1e6:.1f}" if name in times else "-"
-    for peer in ("tokamax", "megablox"):
-        if peer in contenders:
-            row[f"{peer} / ours"] = f"{times[peer] / best_ours:.2f}" if peer in times and best_ours else "-"
-    peers = {n: t for n, t in times.items() if not n.startswith("ours")}
-    if any(peer_config(n) for n in contenders):  # named configs: the best of every peer run
-        best = min(peers, key=peers.get, default=None)
-        row["best peer"] = best or "-"
-        row["best peer / ours"] = f"{peers[best] / best_ours:.2f}" if best and best_ours else "-"
+    peers = {n: t for n, t in times.items() if not n.startswith("ours") and n in contenders}
+    best = min(peers, key=peers.get, default=None)
+    if best:
+        config = configs.get(best)
+        row["best peer (config)"] = f"{peer_name(best)} {config_text(config or best)}"
+        row["ours / best peer"] = f"{best_ours / peers[best]:.2f}" if best_ours else "-"
+    else:
+        row["best peer (config)"], row["ours / best peer"] = "-", "-"
     row["roofline us"] = f"{roofline * 1e6:.1f} ({'HBM' if hbm >= mxu else 'MXU'})"
     row["ours / roofline"] = f"{best_ours / roofline:.2f}" if best_ours else "-"
     row["notes"] = "; ".join(notes)
     return row, times, roofline
 
 
+def run_estimates(args) -> tuple[dict, dict]:
+    from absl import flags
+
+    flags.FLAGS(sys.argv[:1], known_only=True)  # tokamax reads absl flags
+    use_shipped_packages()
+    record = peer_sweep.Record()
+    results, configs = {}, {}
+    for chip in args.chips:
+        for model in args.models:
+            for tokens in args.tokens:
+                cell = results.setdefault((chip, model, tokens), {})
+                for name in args.contenders:
+                    t0 = time.time()
+                    resolved = resolve(chip, model, tokens, name, record, args.start_from)
+                    if resolved is None:
+                        cell[name] = "no config runs the shape"
+                        print(f"[{chip}] {model} {tokens} {name}: {cell[name]}", file=sys.stderr)
+                        continue
+                    if resolved != name:
+                        configs.setdefault((chip, model, tokens), {})[name] = resolved
+                    shown = f" config {resolved}" if resolved != name else ""
+                    try:
+                        est = estimate_one(chip, model, tokens, resolved)
+                    except Exception as exc:  # noqa: BLE001 -- a contender that cannot run a shape is reported
+                        cell[name] = f"{type(exc).__name__}: {exc}"
+                        print(f"[{chip}] {model} {tokens} {name}: {cell[name].splitlines()[0]}{shown}",
+                              file=sys.stderr)
+                        continue
+                    cell[name] = est.seconds
+                    unmatched = "" if all(k.regions_matched for k in est.kernels) else " MXU regions unmatched"
+                    print(f"[{chip}] {model} {tokens} {name}: {est.seconds * 1e6:.1f} us "
+                          f"(roofline {est.roofline_s * 1e6:.1f} us, {time.time() - t0:.0f} s){unmatched}{shown}",
+                          file=sys.stderr)
+    return results, configs
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--chips", nargs="+", default=["v5e", "v6e"])
+    ap.add_argument("--chips", nargs="+", default=["v5e", "v6e", "tpu7x"])
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64, 512, 4096])
     ap.add_argument("--contenders", nargs="+", default=list(CONTENDERS))
+    ap.add_argument("--start-from", default=None,
+                    help="peer sweeps (@best) start from this chip's recorded best and walk one round")
     ap.add_argument("--out", default=str(RESULTS / "tpu_estimates.md"))
     ap.add_argument("--from-logs", nargs="+", default=None,
                     help="build the tables from the progress output of earlier runs instead of estimating")
     args = ap.parse_args(argv)
-    if args.from_logs:
-        results = parse_logs(args.from_logs)
-    else:
-        from absl import flags
-
-        flags.FLAGS(sys.argv[:1], known_only=True)  # tokamax reads absl flags
-        use_shipped_packages()
-        results = {}
-        for chip in args.chips:
-            for model in args.models:
-                for tokens in args.tokens:
-                    cell = results.setdefault((chip, model, tokens), {})
-                    for name in args.contenders:
-                        t0 = time.time()
-                        try:
-                            est = estimate_one(chip, model, tokens, name)
-                        except Exception as exc:  # noqa: BLE001 -- a contender that cannot run a shape is reported
-                            cell[name] = f"{type(exc).__name__}: {exc}"
-                            print(f"[{chip}] {model} {tokens} {name}: {cell[name].splitlines()[0]}", file=sys.stderr)
-                            continue
-                        cell[name] = est.seconds
-                        unmatched = "" if all(k.regions_matched for k in est.kernels) else " MXU regions unmatched"
-                        print(f"[{chip}] {model} {tokens} {name}: {est.seconds * 1e6:.1f} us "
-                              f"(roofline {est.roofline_s * 1e6:.1f} us, {time.time() - t0:.0f} s){unmatched}",
-                              file=sys.stderr)
+    results, configs = parse_logs(args.from_logs) if args.from_logs else run_estimates(args)
     sections, plot_rows = [], []
     for chip in args.chips:
         keys = [k for k in results if k[0] == chip]
@@ -256,30 +303,41 @@ def main(argv=None):
             continue
         rows = []
         for _, model, tokens in sorted(keys, key=lambda k: (list(MODELS).index(k[1]), k[2])):
-            row, times, roofline = table_row(chip, model, tokens, results[(chip, model, tokens)], args.contenders)
+            row, times, roofline = table_row(chip, model, tokens, results[(chip, model, tokens)], args.contenders,
+                                             configs.get((chip, model, tokens), {}))
             rows.append(row)
             plot_rows.append((chip, model, tokens, times, roofline))
         missing = [f"{m} {t}" for m in args.models for t in args.tokens if (chip, m, t) not in results]
         note = f"\n\nNot estimated in this run (cut short): {', '.join(missing)}." if missing else ""
-        sections.append(f"## {chip} ({tpu_estimator.CHIPS[chip].topology})\n\n" + markdown(rows) + note)
+        sections.append(f"## {chip} ({tpu_estimator.CHIPS[chip].topology})\n\n"
+                        f"Estimator error on this chip: {calibration_summary(chip, 'ragged dot')}.\n\n"
+                        + markdown(rows) + note)
     out = pathlib.Path(args.out)
     out.write_text(
-        "# MoE experts on TPU: estimated times, ours against the peers\n\n"
-        "Generated by `python bench/bench_tpu_estimates.py`. Estimates from the TPU compiler's static "
-        "schedule (`bench/tpu_estimator.py`), not measurements on a TPU; the estimator's error against "
-        "measured timings is in `tpu_calibration.md`. One experts layer's two matmuls and the gate on rows "
-        "sorted by expert, bf16 inputs, f32 outputs, group sizes from a random top-k routing (seed 0). "
-        "Ratios use the best of our two kernels ('ours' = two gmm calls, 'ours fused' = one kernel); "
-        "> 1: the peer is slower. Roofline: max(MXU-bound, HBM-bound: rows in, the weights of the experts "
-        "that have rows, rows out). The peers run their defaults: at every shape here both tokamax (its "
-        "heuristics; its tuned tables do not cover these shapes) and megablox use 128 x 128 x 128 tiles, so "
-        "most of their time is per-step overhead; tuned peer tiles were not estimated. Neither peer takes "
-        "fewer than 128 rows (decode).\n\n" + "\n\n".join(sections) + "\n")
-    _plot(plot_rows, out.with_suffix(".png"))
+        "# MoE experts on TPU: estimated times, ours against the peers at their best\n\n"
+        "Generated by `python bench/bench_tpu_estimates.py` (the command below). Estimates from the TPU "
+        "compiler's static schedule (`bench/tpu_estimator.py`), not measurements on a TPU; each chip's section "
+        "states the estimator's error against measured timings (`tpu_calibration.md`). One experts layer's two "
+        "matmuls and the gate on rows sorted by expert, bf16 inputs, f32 outputs, group sizes from a random "
+        "top-k routing (seed 0). 'ours' = two gmm calls, 'ours fused' = one kernel; 'ours / best peer' uses the "
+        "better of the two (< 1: ours is faster). Peers `@best`: each matmul (up, down) at the best tiles of a "
+        "recorded sweep (`bench/peer_sweep.py`: tokamax's own autotuning space walked from MaxText's default, "
+        "tokamax's tuned table for the same weight shape and our rule's tiles; every config tried is in "
+        "`peer_sweep.jsonl`); the best peer column names its configs (tm, tk, tn) and tokamax's input buffers "
+        "(xN). Roofline: max(MXU-bound, HBM-bound: rows in, the weights of the experts that have rows, rows "
+        f"out). Neither tokamax nor megablox takes fewer than 128 rows (decode).\n\n    {command_line(args)}\n\n"
+        + "\n\n".join(sections) + "\n")
+    _plot(plot_rows, out.with_suffix(".png"), args.contenders)
     print(f"wrote {out}")
 
 
-def _plot(rows, path):
+def command_line(args) -> str:
+    return ("python bench/bench_tpu_estimates.py --chips " + " ".join(args.chips)
+            + " --models " + " ".join(args.models) + " --tokens " + " ".join(map(str, args.tokens))
+            + " --contenders " + " ".join(f'"{c}"' if " " in c else c for c in args.contenders))
+
+
+def _plot(rows, path, contenders):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -299,7 +357,7 @@ def _plot(rows, path):
                 ax.text(0.5, 0.5, "no estimate", ha="center", va="center", transform=ax.transAxes)
                 ax.set_title(f"{model}, {chip}", fontsize=9)
                 continue
-            for name in CONTENDERS:
+            for name in contenders:
                 ys = [r[3].get(name, np.nan) / r[4] for r in sel]
                 ax.plot(tokens, ys, marker="o", label=name)
             ax.axhline(1.0, color="k", lw=0.8, ls="--")

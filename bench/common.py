@@ -115,3 +115,24 @@ def write_report(out_dir: str, filename: str, title: str, intro: str, sections) 
     (out / filename).write_text(text)
     print(text)
     return text
+
+
+CALIBRATION = ROOT / "bench" / "results" / "tpu_calibration.md"
+
+
+def calibration_summary(chip: str, kind: str) -> str:
+    """The estimator's measured error for one chip and kernel kind, as
+    ``tpu_calibration.md`` states it (estimate / measured: median, share
+    within 25%, entries); the other kinds of the chip when it has no
+    table of that kind."""
+    rows = {}
+    for line in CALIBRATION.read_text().splitlines() if CALIBRATION.exists() else []:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) > 6 and cells[2].isdigit():
+            rows[(cells[0], cells[1])] = f"{cells[1]} median estimate/measured {cells[3]}, {cells[5]} of {cells[2]} entries within 25%"
+    exact = [text for (c, k), text in rows.items() if c == chip and k.startswith(kind)]
+    if exact:
+        return "; ".join(exact)
+    others = [text for (c, _), text in rows.items() if c == chip]
+    return (f"no measured {kind} table for {chip}" + (" (" + "; ".join(others) + ")" if others else "")
+            + "; the other chips' figures in tpu_calibration.md")
