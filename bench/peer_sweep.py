@@ -222,13 +222,18 @@ def estimate_matmul(chip: str, peer: str, model: str, tokens: int, matmul: str, 
 
 
 def sweep(chip: str, peer: str, model: str, tokens: int, matmul: str, record: Record, log=sys.stderr,
-          start_from: str | None = None, estimate=None, starts=None):
+          start_from: str | None = None, estimate=None, starts=None, follow: str | None = None,
+          max_rounds: int | None = None):
     """The best (config, us) of one matmul by the walk of the module
     docstring; every estimate goes to ``record`` (configs already there are
     not re-run). ``start_from``: another chip whose recorded best joins the
     starts, and the walk takes one round only (a cheaper sweep for the chips
-    after the first). ``estimate`` / ``starts``: the estimator and the starts
-    (default: ``estimate_matmul`` and ``seeds``)."""
+    after the first). ``follow``: another peer already swept on this chip and
+    shape: its best tiles at every buffer count of this peer's space join the
+    starts, and there is no walk (tokamax and megablox run the same tiles
+    within 1-2% of each other). ``max_rounds`` overrides the rounds of the
+    walk (0: the starts only). ``estimate`` / ``starts``: the estimator and
+    the starts (default: ``estimate_matmul`` and ``seeds``)."""
     m, k, n, experts = matmul_shape(model, tokens, matmul)
     space = search_space(peer, m, k, n)
     if not space[0]:
@@ -240,6 +245,14 @@ def sweep(chip: str, peer: str, model: str, tokens: int, matmul: str, record: Re
         other = record.best(start_from, peer, model, tokens, matmul)
         starts = ([other[0]] if other else []) + starts
         rounds = 1
+    if follow and record.best(chip, follow, model, tokens, matmul):
+        tiles = record.best(chip, follow, model, tokens, matmul)[0][:3]
+        starts = [tiles + (b,) for b in space[3]] if len(space) > 3 else [tiles]
+        if peer == "tokamax":
+            starts += [clip(s, space) for s in tuned_table_seeds(k, n)]
+        rounds = 0
+    if max_rounds is not None:
+        rounds = max_rounds
 
     def run(config):
         if record.get(chip, peer, model, tokens, matmul, config) is None:
@@ -265,13 +278,15 @@ def sweep(chip: str, peer: str, model: str, tokens: int, matmul: str, record: Re
 
 
 def best_contender(chip: str, peer: str, model: str, tokens: int, record: Record | None = None,
-                   start_from: str | None = None) -> str | None:
+                   start_from: str | None = None, follow: str | None = None,
+                   max_rounds: int | None = None) -> str | None:
     """``peer@up_config/down_config`` of the swept best (sweeping what the
     record does not hold yet), or None when the peer cannot run the shape."""
     record = record or Record()
     configs = []
     for matmul in MATMULS:
-        best = sweep(chip, peer, model, tokens, matmul, record, start_from=None if start_from == chip else start_from)
+        best = sweep(chip, peer, model, tokens, matmul, record, start_from=None if start_from == chip else start_from,
+                     follow=None if follow == peer else follow, max_rounds=max_rounds)
         if best is None:
             return None
         configs.append(",".join(map(str, best[0])))
@@ -293,6 +308,9 @@ def main(argv=None):
     ap.add_argument("--peers", nargs="+", default=list(PEERS))
     ap.add_argument("--start-from", default=None,
                     help="a chip already swept: its best joins the starts and the walk takes one round")
+    ap.add_argument("--follow", default=None,
+                    help="a peer already swept here: its best tiles (every buffer count) and tokamax's table, no walk")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds of the walk (default: MAX_ROUNDS)")
     args = ap.parse_args(argv)
     flags.FLAGS(sys.argv[:1], known_only=True)  # tokamax reads absl flags
     use_shipped_packages()
@@ -301,7 +319,7 @@ def main(argv=None):
         for model in args.models:
             for tokens in args.tokens:
                 for peer in args.peers:
-                    print(f"best {chip} {model} {tokens}: {best_contender(chip, peer, model, tokens, record, args.start_from)}",
+                    print(f"best {chip} {model} {tokens}: {best_contender(chip, peer, model, tokens, record, args.start_from, args.follow, args.rounds)}",
                           flush=True)
 
 

@@ -73,3 +73,20 @@ def test_walk_skips_configs_that_cannot_run(tmp_path):
     best, calls, record = _walk(tmp_path, cost, [(512, 2048, 768), (256, 2048, 768)])
     assert best[0][0] < 512 and best[0][2] == 1536  # the widest N that runs
     assert record.get("v6e", "megablox", "qwen3-30b-a3b", 4096, "up", (512, 2048, 768)) == "VMEM OOM"
+
+
+def test_follow_takes_the_other_peers_best_tiles_at_every_buffer_count_without_a_walk(tmp_path, monkeypatch):
+    record = peer_sweep.Record(tmp_path / "sweep.jsonl")
+    record.add("v6e", "megablox", "qwen3-30b-a3b", 4096, "up", (256, 2048, 768), 900.0)
+    record.add("v6e", "megablox", "qwen3-30b-a3b", 4096, "up", (512, 2048, 768), 950.0)
+    calls = []
+
+    def estimate(chip, peer, model, tokens, matmul, config):
+        calls.append(config)
+        return 1000.0 - config[3]
+
+    monkeypatch.setattr(peer_sweep, "tuned_table_seeds", lambda k, n: [])  # tokamax: bench-only, not here
+    best = peer_sweep.sweep("v6e", "tokamax", "qwen3-30b-a3b", 4096, "up", record, log=open("/dev/null", "w"),
+                            estimate=estimate, starts=[], follow="megablox")
+    assert calls == [(256, 2048, 768, 2), (256, 2048, 768, 3), (256, 2048, 768, 4)]
+    assert best == ((256, 2048, 768, 4), 996.0)
