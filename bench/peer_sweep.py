@@ -280,13 +280,17 @@ def sweep(chip: str, peer: str, model: str, tokens: int, matmul: str, record: Re
 def best_contender(chip: str, peer: str, model: str, tokens: int, record: Record | None = None,
                    start_from: str | None = None, follow: str | None = None,
                    max_rounds: int | None = None) -> str | None:
-    """``peer@up_config/down_config`` of the swept best (sweeping what the
-    record does not hold yet), or None when the peer cannot run the shape."""
+    """``peer@up_config/down_config``: the best configs the record holds for
+    the shape (a matmul the record lacks is swept first), or None when the
+    peer runs no config of the shape."""
     record = record or Record()
     configs = []
     for matmul in MATMULS:
-        best = sweep(chip, peer, model, tokens, matmul, record, start_from=None if start_from == chip else start_from,
-                     follow=None if follow == peer else follow, max_rounds=max_rounds)
+        best = record.best(chip, peer, model, tokens, matmul)
+        if not record.tried(chip, peer, model, tokens, matmul):
+            best = sweep(chip, peer, model, tokens, matmul, record,
+                         start_from=None if start_from == chip else start_from,
+                         follow=None if follow == peer else follow, max_rounds=max_rounds)
         if best is None:
             return None
         configs.append(",".join(map(str, best[0])))
@@ -319,8 +323,11 @@ def main(argv=None):
         for model in args.models:
             for tokens in args.tokens:
                 for peer in args.peers:
-                    print(f"best {chip} {model} {tokens}: {best_contender(chip, peer, model, tokens, record, args.start_from, args.follow, args.rounds)}",
-                          flush=True)
+                    for matmul in MATMULS:
+                        best = sweep(chip, peer, model, tokens, matmul, record,
+                                     start_from=None if args.start_from == chip else args.start_from,
+                                     follow=None if args.follow == peer else args.follow, max_rounds=args.rounds)
+                        print(f"best {chip} {peer} {model} {tokens} {matmul}: {best}", flush=True)
 
 
 if __name__ == "__main__":
