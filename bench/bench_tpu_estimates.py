@@ -48,7 +48,7 @@ MODELS = {  # hidden, intermediate, experts, top_k, gate
     "mixtral-8x7b": (4096, 14336, 8, 2, "glu_silu"),
     "deepseek-v3": (7168, 2048, 256, 8, "glu_silu"),
 }
-CONTENDERS = ("ours", "ours fused", "tokamax@best", "megablox@best")
+CONTENDERS = ("ours", "ours fused", "megablox@best", "tokamax@best")
 RESULTS = ROOT / "bench" / "results"
 
 
@@ -167,12 +167,16 @@ def estimate_one(chip, model, tokens, name, rng_seed=0):
     return tpu_estimator.estimate(fn, [x, up, down, gs], chip, flops=flops, min_bytes=min_bytes)
 
 
-def resolve(chip, model, tokens, name, record, start_from=None):
-    """``peer@best`` -> the peer at its swept best configs (``peer_sweep``);
-    other names unchanged. None: the peer runs no config of the shape."""
+def resolve(chip, model, tokens, name, record, start_from=None, max_rounds=None):
+    """``peer@best`` -> the peer at its best recorded configs (``peer_sweep``;
+    a shape the record lacks is swept first: tokamax after megablox follows
+    megablox's best tiles); other names unchanged. None: the peer runs no
+    config of the shape."""
     if not name.endswith("@best"):
         return name
-    return peer_sweep.best_contender(chip, peer_name(name), model, tokens, record, start_from)
+    peer = peer_name(name)
+    follow = "megablox" if peer == "tokamax" else None
+    return peer_sweep.best_contender(chip, peer, model, tokens, record, start_from, follow, max_rounds)
 
 
 _LINE = re.compile(r"^\[(\S+)\] (\S+) (\d+) (ours fused|ours|\S+): (.*?)(?: config (\S+))?$")
@@ -260,7 +264,7 @@ def run_estimates(args) -> tuple[dict, dict]:
                 cell = results.setdefault((chip, model, tokens), {})
                 for name in args.contenders:
                     t0 = time.time()
-                    resolved = resolve(chip, model, tokens, name, record, args.start_from)
+                    resolved = resolve(chip, model, tokens, name, record, args.start_from, args.sweep_rounds)
                     if resolved is None:
                         cell[name] = "no config runs the shape"
                         print(f"[{chip}] {model} {tokens} {name}: {cell[name]}", file=sys.stderr)
@@ -291,6 +295,8 @@ def main(argv=None):
     ap.add_argument("--contenders", nargs="+", default=list(CONTENDERS))
     ap.add_argument("--start-from", default=None,
                     help="peer sweeps (@best) start from this chip's recorded best and walk one round")
+    ap.add_argument("--sweep-rounds", type=int, default=None,
+                    help="rounds of the walk for a shape the sweep record lacks (0: its starts only)")
     ap.add_argument("--out", default=str(RESULTS / "tpu_estimates.md"))
     ap.add_argument("--from-logs", nargs="+", default=None,
                     help="build the tables from the progress output of earlier runs instead of estimating")
