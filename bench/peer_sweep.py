@@ -18,8 +18,10 @@ routing, because a user tunes each call separately:
   while a round helps, at most ``MAX_ROUNDS`` rounds;
 * every config estimated is appended to a JSON-lines record
   (``bench/results/peer_sweep.jsonl``: chip, peer, model, tokens, matmul,
-  config, microseconds or the reason it cannot run), so a run that is cut
-  resumes where it stopped and the tables name what each peer ran.
+  config, microseconds or the reason it cannot run, the estimator's source
+  digest), so a run that is cut resumes where it stopped and the tables name
+  what each peer ran. The record chooses configs; the tables re-estimate the
+  whole layer at the chosen configs with the current estimator.
 
 A walk is not an exhaustive search: a better config may exist off the path.
 The record shows every config tried, so a reader can judge how far the walk
@@ -126,6 +128,16 @@ def seeds(peer: str, m: int, k: int, n: int, groups: int, generation: str) -> li
     return list(dict.fromkeys(clip(s, space) for s in starts))
 
 
+def estimator_version() -> str:
+    """A digest of the estimator's sources: entries written by another
+    version chose configs but their figures are not comparable."""
+    import hashlib
+
+    here = pathlib.Path(__file__).parent
+    return hashlib.sha256(b"".join((here / f).read_bytes() for f in ("tpu_estimator.py", "tpu_schedule.py"))
+                          ).hexdigest()[:10]
+
+
 class Record:
     """The JSON-lines record of every config estimated."""
 
@@ -149,7 +161,8 @@ class Record:
 
     def add(self, chip, peer, model, tokens, matmul, config, result):
         self.entries[self.key(chip, peer, model, tokens, matmul, config)] = result
-        entry = dict(chip=chip, peer=peer, model=model, tokens=int(tokens), matmul=matmul, config=list(config))
+        entry = dict(chip=chip, peer=peer, model=model, tokens=int(tokens), matmul=matmul, config=list(config),
+                     estimator=estimator_version())
         entry["us" if isinstance(result, float) else "error"] = result
         if self.key(chip, peer, model, tokens, matmul, config) in UNMATCHED:
             entry["mxu_regions_unmatched"] = True

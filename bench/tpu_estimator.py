@@ -975,6 +975,32 @@ def chip_device(chip: Chip):
     return topologies.get_topology_desc(platform="tpu", topology_name=chip.topology).devices[0]
 
 
+def row_major(ndim: int, sharding):
+    """The default (row-major) layout of an array on the device. An AOT
+    compile left free picks the program's parameter and result layouts
+    itself (e.g. a column-major lhs) and then pays copies into the layouts
+    its kernels need; a real call gets arrays in the default layout, so the
+    estimate pins it (a copy the program still makes is then a real one)."""
+    from jax.experimental.layout import Format, Layout
+
+    return Format(Layout(major_to_minor=tuple(range(ndim))), sharding)
+
+
+def aot_compile(fn, args, chip: Chip):
+    """``fn`` compiled ahead of time for one device of the chip, its
+    arguments and results in the default layout (``row_major``)."""
+    import jax
+
+    device = chip_device(chip)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    specs = [jax.ShapeDtypeStruct(np.shape(a), getattr(a, "dtype", None) or np.asarray(a).dtype,
+                                  sharding=row_major(np.ndim(a), sharding)) for a in args]
+    with jax.default_device(device):  # code that asks pltpu.get_tpu_info() sees the target chip
+        outs = jax.eval_shape(fn, *specs)
+        out_formats = jax.tree.map(lambda o: row_major(len(o.shape), sharding), outs)
+        return jax.jit(fn, out_shardings=out_formats).lower(*specs).compile()
+
+
 def compile_with_dump(fn, args, chip: Chip) -> pathlib.Path:
     """AOT-compile ``fn`` for one chip; returns a folder holding only this
     compile's dump files (the caller deletes it)."""
@@ -983,12 +1009,7 @@ def compile_with_dump(fn, args, chip: Chip) -> pathlib.Path:
     root = _libtpu_dump_dir()
     for p in root.iterdir():  # leftovers of an earlier compile
         p.unlink() if p.is_file() else shutil.rmtree(p)
-    device = chip_device(chip)
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    specs = [jax.ShapeDtypeStruct(np.shape(a), getattr(a, "dtype", None) or np.asarray(a).dtype, sharding=sharding)
-             for a in args]
-    with jax.default_device(device):  # code that asks pltpu.get_tpu_info() sees the target chip
-        jax.jit(fn).lower(*specs).compile()
+    aot_compile(fn, args, chip)
     own = pathlib.Path(tempfile.mkdtemp(prefix="tpu_dump_"))
     for p in root.iterdir():
         # Keep only what the estimate reads: the final schedules.

@@ -388,3 +388,18 @@ def test_what_if_resimulates_the_same_schedule(megacore):
     copy, compute = megacore["copy v5p arbitrary"], megacore["compute v5p arbitrary"]
     assert 1.8 <= copy["half_bandwidth"] / copy["total"] <= 2.05
     assert 1.0 <= compute["half_bandwidth"] / compute["total"] <= 1.1
+
+
+def test_programs_are_compiled_with_arguments_and_results_in_the_default_layout():
+    # Left free, an AOT compile lays this lhs out column-major and would charge
+    # the program a copy no real call (arrays in the default layout) makes.
+    import jax
+    import jax.numpy as jnp
+
+    compiled = tpu_estimator.aot_compile(
+        lambda x, w: (x @ w).astype(jnp.float32),
+        [jax.ShapeDtypeStruct((4096, 2880), jnp.bfloat16), jax.ShapeDtypeStruct((2880, 5760), jnp.bfloat16)],
+        tpu_estimator.CHIPS["v6e"])
+    head = compiled.as_text().split("entry_computation_layout=", 1)[1][:400]
+    for array in ("bf16[4096,2880]", "bf16[2880,5760]", "f32[4096,5760]"):  # row-major: minor-to-major {1,0}
+        assert array + "{1,0:" in head, head
