@@ -472,6 +472,10 @@ _CALL_PARAMS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "c
 
 
 def _call_body(eqn):
+    if eqn.primitive.name == "shard_map":
+        # On a one-device mesh the body sees the whole arrays: a plain call
+        # (a kernel written for a mesh, e.g. an expert-parallel one at ep=1).
+        return eqn.params["jaxpr"] if eqn.params["mesh"].size == 1 else None
     param = _CALL_PARAMS.get(eqn.primitive.name)
     body = eqn.params.get(param) if param else None
     if body is None:
@@ -495,6 +499,8 @@ def _host_eval(jaxpr, consts, inputs, calls, scope="kernel"):
         if e.primitive.name == "pallas_call":
             # An unnamed pallas_call is named by XLA after the jit around it.
             calls.append(KernelCall(e.params.get("name") or scope, e, ins))
+        elif e.primitive.name == "with_memory_space_constraint":  # a placement hint: the value itself
+            outs = ins
         elif (body := _call_body(e)) is not None:
             jaxpr_, consts = (body.jaxpr, list(body.consts)) if hasattr(body, "consts") else (body, [])
             outs = _host_eval(jaxpr_, consts, ins, calls, e.params.get("name") or scope)
@@ -703,9 +709,15 @@ def step_cycles(rp: GridReplay, schedule: tpu_schedule.Schedule) -> tuple[np.nda
     elif not rp.mxu_taken:  # no matmul under a pl.when: every step runs all of the loop
         matched = True
     else:
-        matched = len(mxu_regions) == len(rp.mxu_taken)
+        taken_lists = rp.mxu_taken
+        if len(mxu_regions) != len(taken_lists):
+            # The compiler folds away a branch no step can take (a predicate
+            # on a one-step grid axis, e.g. "not the last k tile" when k has
+            # one tile): match the regions without those.
+            taken_lists = [t for t in taken_lists if t.any()]
+        matched = len(mxu_regions) == len(taken_lists)
         if matched:
-            for region, taken in zip(mxu_regions, rp.mxu_taken):
+            for region, taken in zip(mxu_regions, taken_lists):
                 cycles -= np.where(taken, 0, region.cycles)
     # A pipelined grid loop runs one more iteration that only issues step 0's
     # DMAs: the loop minus its step body (the region enclosing the MXU work).

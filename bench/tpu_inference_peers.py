@@ -1,0 +1,196 @@
+"""tpu-inference 0.32.0 (vLLM's TPU backend) as a peer of the MoE experts benchmark.
+
+Benchmark-only: the wheel is installed without its serving stack
+(bench/requirements-nodeps.lock), so its package ``__init__`` (which imports
+vllm and sets serving environment variables) must not run. ``load`` imports
+only the kernel modules: the two top-level packages on the import path are
+registered as bare namespace modules (their ``__init__`` not executed), and
+``tpu_inference.logger`` (it wraps vllm's logger) is replaced by a stand-in
+with the two methods the kernels call.
+
+Contenders (names for ``bench_tpu_estimates.py --contenders``):
+
+- ``tpu-inference-gmm``: ``tpu_inference.kernels.megablox.gmm`` twice (up,
+  gate, down) on the rows sorted by expert, weights ``[E, in, out]`` as the
+  other peers; tiling: what the kernel picks itself when not given one (its
+  tuned table, else its heuristic ``get_default_gmm_block_sizes``).
+- ``fused-ep-moe``: ``tpu_inference.kernels.fused_moe.v1.fused_ep_moe`` on one
+  device (ep=1): it takes the layer's hidden states ``[T, H]`` and the router
+  logits ``[T, E]`` and does the routing (softmax, top-k), the gather of each
+  expert's tokens, both matmuls and the gate, and the weighted scatter-add
+  back to ``[T, H]`` (bf16 out). Weights ``w1 [E, 2, H, F]`` (gate and up
+  stacked) and ``w2 [E, F, H]``: the same bytes as the others'. Block sizes:
+  its tuned table, else its defaults (``get_tuned_block_sizes``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import pathlib
+import sys
+import types
+
+import numpy as np
+
+CONTENDERS = ("tpu-inference-gmm", "fused-ep-moe")
+# Errors of these kernels on a shape -> the table's few words.
+SHORT_REASONS = (
+    ("to be aligned to t_packing", "odd token count (bf16 packs 2 tokens)"),
+)
+_PACKAGE = "tpu_inference"
+
+
+def _bare_package(name: str, path: pathlib.Path) -> types.ModuleType:
+    """A package module whose ``__init__`` is not run: its submodules import
+    from ``path`` as usual."""
+    module = types.ModuleType(name)
+    module.__path__ = [str(path)]
+    module.__spec__ = importlib.util.spec_from_loader(name, loader=None, is_package=True)
+    module.__spec__.submodule_search_locations = [str(path)]
+    return module
+
+
+class _OnceLogger(logging.LoggerAdapter):
+    """What the kernels call on tpu-inference's (vllm's) logger."""
+
+    def __init__(self, name):
+        super().__init__(logging.getLogger(name), {})
+        self._seen = set()
+
+    def _once(self, level, msg, *args):
+        if msg not in self._seen:
+            self._seen.add(msg)
+            self.log(level, msg, *args)
+
+    def warning_once(self, msg, *args, **_):
+        self._once(logging.WARNING, msg, *args)
+
+    def info_once(self, msg, *args, **_):
+        self._once(logging.INFO, msg, *args)
+
+
+def load(module: str) -> types.ModuleType:
+    """Import ``tpu_inference.<module>`` without the package's ``__init__``."""
+    if _PACKAGE not in sys.modules:
+        spec = importlib.util.find_spec(_PACKAGE)  # finds, does not execute
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError("tpu-inference is not installed: bash scripts/bootstrap.sh bench")
+        root = pathlib.Path(list(spec.submodule_search_locations)[0])
+        sys.modules[_PACKAGE] = _bare_package(_PACKAGE, root)
+        sys.modules[f"{_PACKAGE}.kernels"] = _bare_package(f"{_PACKAGE}.kernels", root / "kernels")
+        logger = types.ModuleType(f"{_PACKAGE}.logger")
+        logger.init_logger = _OnceLogger
+        sys.modules[logger.__name__] = logger
+    return importlib.import_module(f"{_PACKAGE}.{module}")
+
+
+# ----------------------------------------------------------------------------
+# tpu-inference gmm
+# ----------------------------------------------------------------------------
+
+
+def gmm_tiling(m: int, k: int, n: int, experts: int, dtype: str = "bfloat16") -> tuple[int, int, int]:
+    """The (tm, tk, tn) tpu-inference's gmm runs ``[m, k] @ [E, k, n]`` with
+    when called without a tiling (as its ``gmm`` does: bf16 weights, one
+    shard holding every expert)."""
+    tuned = load("kernels.megablox.tuned_block_sizes")
+    return tuple(tuned.get_tuned_block_sizes(m=m, k=k, n=n, num_total_groups=experts, num_current_groups=experts,
+                                             lhs_dtype=dtype, rhs_dtype=dtype, quant_block_size=k))
+
+
+def gmm_fn(act):
+    """``down(act(up(x)))`` by tpu-inference's gmm at its own tiling;
+    ``act``: the gate (f32 in, bf16 out)."""
+    import jax.numpy as jnp
+
+    gmm = load("kernels.megablox.gmm").gmm
+
+    def fn(x, up, down, gs):
+        h = gmm(x, up, gs, preferred_element_type=jnp.float32)
+        return gmm(act(h), down, gs, preferred_element_type=jnp.float32)
+
+    return fn
+
+
+def gmm_config(rows: int, hidden: int, inter: int, experts: int) -> str:
+    """The two tilings (up, down) as the table names them: ``up 128,2048,1536 / down 128,768,2048``."""
+    up = gmm_tiling(rows, hidden, 2 * inter, experts)
+    down = gmm_tiling(rows, inter, hidden, experts)
+    return f"up {','.join(map(str, up))} / down {','.join(map(str, down))}"
+
+
+# ----------------------------------------------------------------------------
+# tpu-inference fused_ep_moe at ep=1
+# ----------------------------------------------------------------------------
+
+
+def fused_block_sizes(tokens: int, hidden: int, inter: int, experts: int, top_k: int) -> dict[str, int]:
+    """The block sizes fused_ep_moe runs with at ep=1, bf16 (its tuned table,
+    else its defaults, then its own clamps to the token count)."""
+    tuned = load("kernels.fused_moe.v1.tuned_block_sizes")
+    names = ("bt", "bf", "bd1", "bd2", "btc", "bfc", "bd1c", "bd2c")
+    sizes = dict(zip(names, tuned.get_tuned_block_sizes(hidden, inter, experts, top_k, 2, 2, tokens, 1)))
+    if tokens <= 2 * 8:  # its override: t_packing (2 for bf16) * 8 tokens or fewer run as one block
+        sizes["bt"] = sizes["btc"] = tokens
+    sizes["bt"] = min(tokens, sizes["bt"])
+    sizes["btc"] = min(sizes["bt"], sizes["btc"])
+    return sizes
+
+
+def fused_fn(generation: str, top_k: int):
+    """``fused_ep_moe(tokens [T, H], w1 [E, 2, H, F], w2 [E, F, H], logits [T, E])``
+    on a one-device mesh of the chip."""
+    import jax
+    from jax.sharding import Mesh
+
+    import tpu_estimator
+
+    kernel = load("kernels.fused_moe.v1.kernel")
+    device = tpu_estimator.chip_device(tpu_estimator.CHIPS[generation])
+    mesh = Mesh(np.array([device]).reshape(1, 1), ("data", "model"))
+
+    def fn(tokens, w1, w2, logits):
+        return kernel.fused_ep_moe(mesh, tokens, w1, w2, logits, top_k, act_fn="silu", ep_axis_name="model")
+
+    return jax.jit(fn)
+
+
+def router_logits(tokens: int, experts: int, rng_seed: int) -> np.ndarray:
+    """Router logits whose top-k is bench_tpu_estimates' ``routing_group_sizes``
+    routing for the same seed (it takes the k smallest of the same draw)."""
+    return (-np.random.default_rng(rng_seed).random((tokens, experts))).astype(np.float32)
+
+
+def fused_config(tokens: int, hidden: int, inter: int, experts: int, top_k: int) -> str:
+    sizes = fused_block_sizes(tokens, hidden, inter, experts, top_k)
+    return " ".join(f"{k}={v}" for k, v in sizes.items())
+
+
+def config_notes(model_dims, tokens: int, contenders) -> list[str]:
+    """The config each tpu-inference contender ran with, for the table's notes."""
+    hidden, inter, experts, top_k, _ = model_dims
+    notes = []
+    if "tpu-inference-gmm" in contenders:
+        notes.append(f"tpu-inference-gmm tiles {gmm_config(tokens * top_k, hidden, inter, experts)}")
+    if "fused-ep-moe" in contenders and tokens % 2 == 0:
+        notes.append(f"fused-ep-moe {fused_config(tokens, hidden, inter, experts, top_k)}")
+    return notes
+
+
+def estimate_fused(chip: str, tokens: int, hidden: int, inter: int, experts: int, top_k: int, rng_seed: int,
+                   *, flops: float, min_bytes: float):
+    """The estimate of fused_ep_moe (ep=1) for one experts layer of ``tokens``
+    tokens, routed as bench_tpu_estimates routes them (same seed)."""
+    import jax
+    import jax.numpy as jnp
+
+    import tpu_estimator
+
+    bf16 = jnp.bfloat16
+    args = [jax.ShapeDtypeStruct((tokens, hidden), bf16),
+            jax.ShapeDtypeStruct((experts, 2, hidden, inter), bf16),
+            jax.ShapeDtypeStruct((experts, inter, hidden), bf16),
+            router_logits(tokens, experts, rng_seed)]
+    return tpu_estimator.estimate(fused_fn(chip, top_k), args, chip, flops=flops, min_bytes=min_bytes)
