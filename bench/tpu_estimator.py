@@ -253,6 +253,9 @@ class KernelTrace:
     wait_ids: dict = dataclasses.field(default_factory=dict)  # id(eqn) -> static index, program order
     loop: int | None = None  # the loop being interpreted
     first_trip: bool = True  # loops nested in a loop are recorded on its first trip only
+    # Starts of no bytes (a kernel that sizes its copies by routing, e.g. one
+    # row or none per token and expert) are dropped: the queue charges bytes.
+    skip_empty: bool = False
 
 
 # Trips of one loop interpreted to collect its DMAs; longer loops are rare
@@ -278,12 +281,27 @@ def _key_at(key, step):
     return (var, tuple(None if v is UNKNOWN else int(np.broadcast_to(v, (step + 1,))[step]) for v in index))
 
 
-def _dma_bytes(ref) -> int:
+def _dma_bytes(ref, read=None, active=None) -> int:
+    """Bytes of a DMA's ref. A dynamic slice size (``pl.ds(start, n)``, n
+    traced) is read where known (its largest value over the steps that run
+    it); unknown, the dimension's full extent (an upper bound)."""
     aval = getattr(ref, "ref", ref).aval
     shape = aval.shape
     for t in getattr(ref, "transforms", ()):
         if hasattr(t, "get_indexer_shape"):
             shape = t.get_indexer_shape()
+            full = [getattr(i, "size", None) for i in getattr(t, "indices", ())]
+            dims = []
+            for d, n in zip(shape, list(full) + [None] * len(shape)):
+                if isinstance(d, (int, np.integer)):
+                    dims.append(int(d))
+                    continue
+                v = read(d) if read is not None else UNKNOWN
+                if v is UNKNOWN:
+                    v = aval.shape[len(dims)] if len(dims) < len(aval.shape) else 0
+                v = np.broadcast_to(np.asarray(v), active.shape)[active] if active is not None else np.asarray(v)
+                dims.append(int(np.max(v, initial=0)))
+            shape = dims
     dtype = getattr(aval, "dtype", None) or aval.inner_aval.dtype
     return int(np.prod(shape)) * np.dtype(dtype).itemsize
 
@@ -376,6 +394,8 @@ def interpret(jaxpr, inputs, *, grid_index, grid, steps, conds=None, active=None
         known = all(x is not UNKNOWN for x in ins)
         if name == "program_id":
             outs = [grid_index[e.params["axis"]]]
+        elif name == "axis_index":  # the estimate is for the mesh's first device
+            outs = [np.asarray(0, np.int32)]
         elif name == "num_programs":
             outs = [np.asarray(grid[e.params["axis"]])]
         elif name == "cond":
@@ -394,10 +414,12 @@ def interpret(jaxpr, inputs, *, grid_index, grid, steps, conds=None, active=None
             src, dst, dst_sem, src_sem, _ = e.params["tree"].unflatten(e.invars)
             if name == "dma_start":
                 keys = tuple(k for k in (_sem_key(dst_sem, read), _sem_key(src_sem, read)) if k is not None)
-                trace.dmas.append(DmaEvent("start", active.copy(), _dma_bytes(src), keys))
+                nbytes = _dma_bytes(src, read, active)
+                if nbytes or not trace.skip_empty:
+                    trace.dmas.append(DmaEvent("start", active.copy(), nbytes, keys))
             else:
-                trace.dmas.append(DmaEvent("wait", active.copy(), _dma_bytes(dst), (_sem_key(dst_sem, read),),
-                                           trace.wait_ids.get(id(e), -1)))
+                trace.dmas.append(DmaEvent("wait", active.copy(), _dma_bytes(dst, read, active),
+                                           (_sem_key(dst_sem, read),), trace.wait_ids.get(id(e), -1)))
         elif (body := _call_body(e)) is not None:
             outs = interpret(getattr(body, "jaxpr", body), ins, grid_index=grid_index, grid=grid, steps=steps,
                              conds=conds, active=active, trace=trace)
@@ -539,7 +561,10 @@ class GridReplay:
         return int(np.prod(self.grid))
 
 
-def replay(call: KernelCall) -> GridReplay:
+def replay(call: KernelCall, known_refs: dict[int, np.ndarray] | None = None) -> GridReplay:
+    """``known_refs``: contents of some of the kernel body's refs (by position
+    in its arguments: inputs, outputs, scratch) that the replay cannot derive,
+    e.g. the routing tables a kernel computes into SMEM itself."""
     from jax._src.pallas import core as pallas_core
 
     gm = call.eqn.params["grid_mapping"]
@@ -573,12 +598,15 @@ def replay(call: KernelCall) -> GridReplay:
         whole.append(int(np.prod(bm.array_aval.shape)) * bm.array_aval.dtype.itemsize)
     kernel = call.eqn.params["jaxpr"]
     refs = [np.asarray(p) for p in prefetch] + [UNKNOWN] * (len(kernel.invars) - len(prefetch))
+    for i, value in (known_refs or {}).items():
+        refs[i] = np.asarray(value)
     conds: list[CondRecord] = []
-    trace = KernelTrace(wait_ids=static_waits(kernel))
+    trace = KernelTrace(wait_ids=static_waits(kernel), skip_empty=bool(known_refs))
     interpret(kernel, refs, grid_index=grid_index, grid=grid, steps=steps, conds=conds, trace=trace)
     taken = [np.isin(c.branch, b) for c in conds for b in c.dot_branches]
     buffers = [getattr(bm.pipeline_mode, "buffer_count", None) or 2 for bm in gm.block_mappings]
-    manual = [str(getattr(bm.block_aval, "memory_space", "")) == "any" for bm in gm.block_mappings]
+    # memory_space=ANY or HBM: the operand stays in HBM, the kernel copies what it needs itself
+    manual = [str(getattr(bm.block_aval, "memory_space", "")) in ("any", "hbm") for bm in gm.block_mappings]
     return GridReplay(tuple(grid), block_indices, block_bytes, is_output, taken, buffers, whole,
                       trace.loops, trace.dmas, manual)
 
@@ -637,9 +665,17 @@ def simulate(step_cycles, fetches, writeback_bytes, *, clock_hz, hbm_bytes_per_s
             if kind == "start":
                 queue = max(queue, t) + nbytes / bw
                 for key in keys:
-                    in_flight.setdefault(key, []).append(queue)
-            elif in_flight.get(keys[0]):
-                stall += max(in_flight[keys[0]].pop(0) - t, 0.0)
+                    in_flight.setdefault(key, []).append([queue, nbytes])
+            else:  # until its bytes have landed: one start's, or several started on one semaphore
+                pending, landed, need = in_flight.get(keys[0]) or [], None, max(nbytes, 1)
+                while pending and need > 0:
+                    take = min(pending[0][1], need) if pending[0][1] else need
+                    landed, need = pending[0][0], need - take
+                    pending[0][1] -= take
+                    if pending[0][1] <= 0:
+                        pending.pop(0)
+                if landed is not None:
+                    stall += max(landed - t, 0.0)
         core = start + step_cycles[i] / clock_hz + stall
         if writeback_bytes[i]:
             queue = max(queue, core) + writeback_bytes[i] / bw
@@ -980,11 +1016,18 @@ def _libtpu_dump_dir() -> pathlib.Path:
 
 
 def chip_device(chip: Chip):
-    """One abstract device of the chip (from libtpu's topology, no TPU needed)."""
+    """One abstract device of the chip (from libtpu's topology, no TPU needed);
+    the same object on every call, so a mesh built on it (a kernel's
+    ``shard_map``) matches the device the estimate compiles for."""
     from jax.experimental import topologies
 
     _libtpu_dump_dir()
-    return topologies.get_topology_desc(platform="tpu", topology_name=chip.topology).devices[0]
+    if chip.topology not in _DEVICES:
+        _DEVICES[chip.topology] = topologies.get_topology_desc(platform="tpu", topology_name=chip.topology).devices[0]
+    return _DEVICES[chip.topology]
+
+
+_DEVICES: dict = {}
 
 
 def compile_with_dump(fn, args, chip: Chip) -> pathlib.Path:
@@ -1016,7 +1059,7 @@ def compile_with_dump(fn, args, chip: Chip) -> pathlib.Path:
 
 
 def estimate(fn, args, generation: str, *, flops: float, min_bytes: float, replay_for=None,
-             what_if: dict[str, Chip] | None = None) -> Estimate:
+             what_if: dict[str, Chip] | None = None, kernel_refs=None) -> Estimate:
     """Estimated seconds of ``fn(*args)`` on one JAX device of ``generation``
     (one TensorCore; a v5p megacore's two where a kernel's grid splits).
 
@@ -1026,6 +1069,8 @@ def estimate(fn, args, generation: str, *, flops: float, min_bytes: float, repla
     minimums the estimate is compared with. ``replay_for(call)`` may give
     the grid replay of a kernel that runs its own pipeline (``emit_pipeline``:
     its pallas_call has no grid); None: replay the pallas_call's grid.
+    ``kernel_refs(call)``: known contents of refs the kernel fills itself
+    (``replay``'s ``known_refs``), e.g. routing tables it computes in SMEM.
     ``what_if``: other constants for the same chip (a clock, a bandwidth):
     the same schedules and replays re-simulated with each, seconds in
     ``Estimate.what_if`` (to test which constant a miss points at)."""
@@ -1046,7 +1091,7 @@ def estimate(fn, args, generation: str, *, flops: float, min_bytes: float, repla
                 raise ValueError(f"more calls of {call.name!r} than compiled kernels: XLA merged or removed one")
             schedule = tpu_schedule.read(dumps[call.name].pop(0))
             own_grid = replay_for is None
-            rp = replay(call) if own_grid else replay_for(call)
+            rp = replay(call, kernel_refs(call) if kernel_refs else None) if own_grid else replay_for(call)
             kernels.append(estimate_kernel(call, schedule, chip, rp, own_grid=own_grid))
             for name, alt in (what_if or {}).items():
                 alternatives[name] += estimate_kernel(call, schedule, alt, rp, own_grid=own_grid).seconds

@@ -158,9 +158,12 @@ def fused_fn(generation: str, top_k: int):
 
 
 def router_logits(tokens: int, experts: int, rng_seed: int) -> np.ndarray:
-    """Router logits whose top-k is bench_tpu_estimates' ``routing_group_sizes``
-    routing for the same seed (it takes the k smallest of the same draw)."""
-    return (-np.random.default_rng(rng_seed).random((tokens, experts))).astype(np.float32)
+    """Router logits (bf16: the kernel takes them in the tokens' dtype) whose
+    top-k is bench_tpu_estimates' ``routing_group_sizes`` routing for the same
+    seed (it takes the k smallest of the same draw), but for ties bf16 makes."""
+    import ml_dtypes
+
+    return (-np.random.default_rng(rng_seed).random((tokens, experts))).astype(ml_dtypes.bfloat16)
 
 
 def fused_config(tokens: int, hidden: int, inter: int, experts: int, top_k: int) -> str:
@@ -193,4 +196,31 @@ def estimate_fused(chip: str, tokens: int, hidden: int, inter: int, experts: int
             jax.ShapeDtypeStruct((experts, 2, hidden, inter), bf16),
             jax.ShapeDtypeStruct((experts, inter, hidden), bf16),
             router_logits(tokens, experts, rng_seed)]
-    return tpu_estimator.estimate(fused_fn(chip, top_k), args, chip, flops=flops, min_bytes=min_bytes)
+    routing = np.argsort(-args[3].astype(np.float32), axis=1, kind="stable")[:, :top_k]
+    bt = fused_block_sizes(tokens, hidden, inter, experts, top_k)["bt"]
+    return tpu_estimator.estimate(fused_fn(chip, top_k), args, chip, flops=flops, min_bytes=min_bytes,
+                                  kernel_refs=lambda call: fused_routing_refs(call, routing, experts, bt))
+
+
+def fused_routing_refs(call, routing: np.ndarray, experts: int, bt: int) -> dict[int, np.ndarray]:
+    """What fused_ep_moe computes into SMEM from the router logits (its top-k
+    on the vector unit, then a DMA), which the estimator's replay cannot
+    follow: per token block (two slots, block b in slot b % 2) the token ->
+    expert table, each expert's row count (also the one device's row of the
+    device -> expert counts) and zero starts / offsets (ep=1). Blocks past the
+    second are taken to route as the first two (same distribution: the
+    routing is uniform at random); exact up to 2 * bt tokens."""
+    kernel = call.eqn.params["jaxpr"]
+    smem = [i for i, v in enumerate(kernel.invars) if "smem" in str(getattr(v.aval, "memory_space", "")).lower()]
+    t2e, d2e, offsets, starts, sizes = smem[:5]
+    shape = lambda i: kernel.invars[i].aval.shape  # noqa: E731
+    values = {i: np.zeros(shape(i), np.int32) for i in (t2e, d2e, offsets, starts, sizes)}
+    for slot in range(2):
+        block = routing[slot * bt:(slot + 1) * bt]
+        if not len(block):
+            continue
+        values[t2e][slot, :len(block), :block.shape[1]] = block
+        counts = np.bincount(block.reshape(-1), minlength=experts)
+        values[sizes][slot, 0, :experts] = counts
+        values[d2e][slot, 0, 0, :experts] = counts
+    return values
