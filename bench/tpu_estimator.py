@@ -204,9 +204,15 @@ def _walk(jaxpr):
 
 
 def _is_literal(v) -> bool:
-    from jax._src import core
+    global _LITERAL
+    if _LITERAL is None:  # imported once: the replay asks this millions of times for kernels that route themselves
+        from jax._src import core
 
-    return isinstance(v, core.Literal)
+        _LITERAL = core.Literal
+    return isinstance(v, _LITERAL)
+
+
+_LITERAL = None
 
 
 def grid_indices(grid) -> list[np.ndarray]:
@@ -225,11 +231,15 @@ class LoopRecord:
     """One ``fori_loop`` / ``scan`` / ``while`` met in a kernel body: its trip
     count per step (0 where it does not run), whether the lowering unrolls it
     (then the schedule holds every trip and nothing is added), and the
-    enclosing recorded loop."""
+    enclosing recorded loop. ``extra``: the trips beyond the one the schedule
+    holds, summed over every run of the loop in a step (a loop nested in a
+    loop whose trips are interpreted one by one may run a different count
+    on each, e.g. one per expert sized by its rows)."""
 
     trips: np.ndarray
     unrolled: bool
     parent: int | None
+    extra: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -253,6 +263,10 @@ class KernelTrace:
     wait_ids: dict = dataclasses.field(default_factory=dict)  # id(eqn) -> static index, program order
     loop: int | None = None  # the loop being interpreted
     first_trip: bool = True  # loops nested in a loop are recorded on its first trip only
+    # Per step, how many runs one interpretation of the current body stands
+    # for (the trips of enclosing loops interpreted once for all their trips).
+    repeat: np.ndarray | None = None
+    met: dict = dataclasses.field(default_factory=dict)  # (loop eqn, enclosing record) -> record
     # Starts of no bytes (a kernel that sizes its copies by routing, e.g. one
     # row or none per token and expert) are dropped: the queue charges bytes.
     skip_empty: bool = False
@@ -342,9 +356,15 @@ def _interpret_loop(e, ins, trace, *, grid_index, grid, steps, active):
     if trips is UNKNOWN:
         return
     index = None
+    run = np.where(active, trips, 0)
+    more = np.maximum(run.astype(np.int64) - 1, 0) * (1 if trace.repeat is None else trace.repeat)
     if trace.first_trip:
-        trace.loops.append(LoopRecord(np.where(active, trips, 0), unrolled, trace.loop))
+        trace.loops.append(LoopRecord(run, unrolled, trace.loop, more))
         index = len(trace.loops) - 1
+        trace.met.setdefault((id(e), trace.loop), index)
+    elif (id(e), trace.loop) in trace.met:  # a later trip of an enclosing loop: add this run's trips
+        index = trace.met[(id(e), trace.loop)]
+        trace.loops[index].extra += more
     if e.primitive.name == "scan":
         n_consts, n_carry = e.params["num_consts"], e.params["num_carry"]
         body, consts, carry = e.params["jaxpr"].jaxpr, ins[:n_consts], ins[n_consts:n_consts + n_carry]
@@ -353,7 +373,9 @@ def _interpret_loop(e, ins, trace, *, grid_index, grid, steps, active):
         n_cond, n_body = e.params["cond_nconsts"], e.params["body_nconsts"]
         body, consts, carry, xs = e.params["body_jaxpr"].jaxpr, ins[n_cond:n_cond + n_body], ins[n_cond + n_body:], []
     if not _has_dma(body):
-        sub = dataclasses.replace(trace, loop=index if index is not None else trace.loop, dmas=[], wait_ids={})
+        repeat = np.maximum(run, 1) * (1 if trace.repeat is None else trace.repeat)
+        sub = dataclasses.replace(trace, loop=index if index is not None else trace.loop, dmas=[], wait_ids={},
+                                  repeat=repeat)
         interpret(body, list(consts) + list(carry) + xs, grid_index=grid_index, grid=grid, steps=steps,
                   active=active & (trips > 0), trace=sub)  # nested loops only
         trace.loops[:] = sub.loops
@@ -800,7 +822,8 @@ def inner_loop_cycles(pairs, steps: int) -> np.ndarray:
     static trip (as if its region ran)."""
     extra = np.zeros(steps, np.int64)
     for lp, rec, mult in pairs:
-        extra += mult * np.maximum(rec.trips.astype(np.int64) - 1, 0) * lp.cycles
+        more = rec.extra if rec.extra is not None else mult * np.maximum(rec.trips.astype(np.int64) - 1, 0)
+        extra += more * lp.cycles
     return extra
 
 

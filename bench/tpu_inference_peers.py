@@ -127,9 +127,11 @@ def gmm_config(rows: int, hidden: int, inter: int, experts: int) -> str:
 
 
 def fused_block_sizes(tokens: int, hidden: int, inter: int, experts: int, top_k: int) -> dict[str, int]:
-    """The block sizes fused_ep_moe runs with at ep=1, bf16 (its tuned table,
-    else its defaults, then its own clamps to the token count)."""
+    """The block sizes fused_ep_moe runs with at ep=1, bf16, on weights padded
+    to multiples of 256 as its serving layer pads them (its tuned table, else
+    its defaults, then its own clamps to the token count)."""
     tuned = load("kernels.fused_moe.v1.tuned_block_sizes")
+    hidden, inter = _align(hidden, 256), _align(inter, 256)
     names = ("bt", "bf", "bd1", "bd2", "btc", "bfc", "bd1c", "bd2c")
     sizes = dict(zip(names, tuned.get_tuned_block_sizes(hidden, inter, experts, top_k, 2, 2, tokens, 1)))
     if tokens <= 2 * 8:  # its override: t_packing (2 for bf16) * 8 tokens or fewer run as one block
@@ -137,6 +139,10 @@ def fused_block_sizes(tokens: int, hidden: int, inter: int, experts: int, top_k:
     sizes["bt"] = min(tokens, sizes["bt"])
     sizes["btc"] = min(sizes["bt"], sizes["btc"])
     return sizes
+
+
+def _align(n: int, to: int) -> int:
+    return -(-n // to) * to
 
 
 def fused_fn(generation: str, top_k: int):
@@ -191,6 +197,9 @@ def estimate_fused(chip: str, tokens: int, hidden: int, inter: int, experts: int
 
     import tpu_estimator
 
+    # Its serving layer pads the weights' hidden and intermediate sizes to
+    # multiples of 256 when it loads them (and the hidden states per call).
+    hidden, inter = _align(hidden, 256), _align(inter, 256)
     bf16 = jnp.bfloat16
     args = [jax.ShapeDtypeStruct((tokens, hidden), bf16),
             jax.ShapeDtypeStruct((experts, 2, hidden, inter), bf16),
@@ -224,3 +233,34 @@ def fused_routing_refs(call, routing: np.ndarray, experts: int, bt: int) -> dict
         values[sizes][slot, 0, :experts] = counts
         values[d2e][slot, 0, 0, :experts] = counts
     return values
+
+
+def table_note(contenders) -> str:
+    """What the tpu-inference contenders of a table run and include."""
+    notes = []
+    if "tpu-inference-gmm" in contenders:
+        notes.append(
+            "tpu-inference-gmm: tpu-inference 0.32.0's `kernels/megablox/gmm.py` (a megablox derivative) twice, "
+            "f32 out like the other peers, at the tiles it picks itself when given none (its tuned table, "
+            "which holds no bf16 shape of these models, else its heuristic `get_default_gmm_block_sizes`: "
+            "tm = the largest divisor of the rows not above 2 x rows / experts rounded up to 128 (at most 512), "
+            "tk, tn = the dimension rounded up to 128, at most 2048); the tiles are in the notes. It takes "
+            "fewer than 128 rows (tm divides the rows).")
+    if "fused-ep-moe" in contenders:
+        notes.append(
+            "fused-ep-moe: tpu-inference 0.32.0's `fused_ep_moe` (fused_moe v1) on one device (ep=1) at its "
+            "block sizes (its tuned table has no entry for these models and ep=1: its defaults, then its "
+            "clamps to the token count; in the notes). It does more than ours: it takes the hidden states "
+            "[T, H] and the router logits and does the routing itself (softmax, top-k on the vector unit), "
+            "copies each expert's token rows into VMEM one row per DMA, runs up, gate and down, copies the "
+            "rows back through an HBM buffer and sums them weighted by the router (bf16 out; ours: rows "
+            "already sorted by expert, f32 out, no routing, no gather or scatter). It also streams every "
+            "expert's weights once per token block (bt tokens, at most 128), whether tokens are routed to "
+            "the expert or not: at decode that alone is the weights of all experts (ours: of the experts "
+            "with rows), and from 256 tokens on it is several passes over all of them; the part comparable "
+            "to ours cannot be split off its one kernel, so its whole time is listed. Not estimable: an odd "
+            "token count (bf16 tokens are packed in pairs). Estimated with the routing computed on the host "
+            "(the estimator cannot follow the kernel's own top-k): exact up to two token blocks, beyond that "
+            "every block is taken to route as the first two. gpt-oss-20b: hidden and intermediate 2880 padded to 3072 "
+            "as tpu-inference pads them when loading the weights (the kernel takes multiples of 128 only).")
+    return "".join(n + "\n\n" for n in notes)

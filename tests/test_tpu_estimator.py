@@ -439,3 +439,35 @@ def test_replay_of_a_kernel_that_routes_itself_with_known_smem():
     assert starts == [3 * cols * 4, 5 * cols * 4, cols * 4]  # the empty copy is dropped
     assert [ev.nbytes for ev in rp.dmas if ev.kind == "wait"] == [3 * cols * 4, 0, 5 * cols * 4, cols * 4]
     assert rp.manual[0]  # the ANY operand moves by the kernel's own copies only
+
+
+def test_replay_sums_a_nested_loop_over_its_parents_trips():
+    # An outer loop that copies (so its trips are interpreted one by one)
+    # runs an inner loop of table[i] trips: 1, 4, 2. Beyond the one trip per
+    # run the schedule holds: 0 + 3 + 1 = 4 (the first run's count times
+    # three would say 0).
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    def kernel(table, x_hbm, o_ref, buf, sem):
+        def outer(i, acc):
+            cp = pltpu.make_async_copy(x_hbm, buf, sem)
+            cp.start()
+            cp.wait()
+            return jax.lax.fori_loop(0, table[i], lambda j, a: jnp.tanh(a) + buf[...], acc)
+        o_ref[...] = jax.lax.fori_loop(0, 3, outer, jnp.zeros((8, 128), jnp.float32))
+
+    call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                          grid_spec=pltpu.PrefetchScalarGridSpec(
+                              num_scalar_prefetch=1, in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+                              scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA(())]),
+                          name="nested")
+    [kc] = tpu_estimator.kernel_calls(call, [np.array([1, 4, 2], np.int32),
+                                             jax.ShapeDtypeStruct((8, 128), jnp.float32)])
+    rp = tpu_estimator.replay(kc)
+    outer, inner = rp.loops
+    assert outer.trips.tolist() == [3] and inner.parent == 0
+    assert inner.extra.tolist() == [4]
+    assert tpu_estimator.inner_loop_cycles([(tpu_schedule.Loop(0, 10), inner, np.ones(1, np.int64))], 1).tolist() == [40]
