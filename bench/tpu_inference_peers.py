@@ -38,6 +38,7 @@ CONTENDERS = ("tpu-inference-gmm", "fused-ep-moe")
 # Errors of these kernels on a shape -> the table's few words.
 SHORT_REASONS = (
     ("to be aligned to t_packing", "odd token count (bf16 packs 2 tokens)"),
+    ("CompileTimeScopedVmemOom", "its tiles exceed the scoped VMEM limit"),
 )
 _PACKAGE = "tpu_inference"
 
