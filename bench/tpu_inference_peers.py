@@ -13,14 +13,21 @@ Contenders (names for ``bench_tpu_estimates.py --contenders``):
 - ``tpu-inference-gmm``: ``tpu_inference.kernels.megablox.gmm`` twice (up,
   gate, down) on the rows sorted by expert, weights ``[E, in, out]`` as the
   other peers; tiling: what the kernel picks itself when not given one (its
-  tuned table, else its heuristic ``get_default_gmm_block_sizes``).
+  tuned table, else its heuristic ``get_default_gmm_block_sizes``). This is
+  the grouped matmul the wheel vendors (a megablox derivative; its MoE layers
+  run it with ``USE_UNFUSED_MEGABLOCKS``). Its default MoE path (GMM_TP /
+  GMM_EP) calls tokamax's ``gmm_v2`` instead, from tokamax 0.0.17.dev20261015,
+  a dependency it does not vendor; our benchmarks pin tokamax 0.0.12 (the
+  estimator's calibration source), which has no ``gmm_v2``: not estimated.
 - ``fused-ep-moe``: ``tpu_inference.kernels.fused_moe.v1.fused_ep_moe`` on one
   device (ep=1): it takes the layer's hidden states ``[T, H]`` and the router
   logits ``[T, E]`` and does the routing (softmax, top-k), the gather of each
   expert's tokens, both matmuls and the gate, and the weighted scatter-add
   back to ``[T, H]`` (bf16 out). Weights ``w1 [E, 2, H, F]`` (gate and up
   stacked) and ``w2 [E, F, H]``: the same bytes as the others'. Block sizes:
-  its tuned table, else its defaults (``get_tuned_block_sizes``).
+  its tuned table, else its defaults (``get_tuned_block_sizes``). Hidden and
+  intermediate sizes padded to multiples of 256, as its layer pads the
+  weights when loading them (gpt-oss-20b: 2880 -> 3072).
 """
 
 from __future__ import annotations
@@ -246,7 +253,8 @@ def table_note(contenders) -> str:
             "which holds no bf16 shape of these models, else its heuristic `get_default_gmm_block_sizes`: "
             "tm = the largest divisor of the rows not above 2 x rows / experts rounded up to 128 (at most 512), "
             "tk, tn = the dimension rounded up to 128, at most 2048); the tiles are in the notes. It takes "
-            "fewer than 128 rows (tm divides the rows).")
+            "fewer than 128 rows (tm divides the rows). Not tpu-inference's default MoE path, which calls tokamax's "
+            "gmm_v2 from tokamax 0.0.17.dev (not vendored; our pinned tokamax 0.0.12 has no gmm_v2).")
     if "fused-ep-moe" in contenders:
         notes.append(
             "fused-ep-moe: tpu-inference 0.32.0's `fused_ep_moe` (fused_moe v1) on one device (ep=1) at its "
