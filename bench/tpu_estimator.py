@@ -55,6 +55,12 @@ Not modelled, and which way each bends an estimate:
   queue, and a wait on a semaphore another chip signals is taken to have
   landed already (the peer is assumed in step). ICI links are slower than
   HBM: collective kernels read low.
+- Values a kernel computes on the vector unit and keeps in SMEM (e.g. the
+  routing tables of a kernel that routes its tokens itself, as tpu-inference's
+  fused_ep_moe) cannot be replayed: the caller passes them (``estimate``'s
+  ``kernel_refs``); without them the loops and copy sizes they decide are
+  unknown (loops unmatched, copies at their full extent). A kernel on a mesh
+  (``shard_map``) is estimated on a one-device mesh only, as device 0.
 - DMA starts are placed at the kernel's preceding wait (or the step's
   start), not at their own bundle: a start issued after compute in the same
   step is taken as issued earlier, which hides up to that compute (reads
@@ -304,9 +310,8 @@ def _dma_bytes(ref, read=None, active=None) -> int:
     for t in getattr(ref, "transforms", ()):
         if hasattr(t, "get_indexer_shape"):
             shape = t.get_indexer_shape()
-            full = [getattr(i, "size", None) for i in getattr(t, "indices", ())]
             dims = []
-            for d, n in zip(shape, list(full) + [None] * len(shape)):
+            for d in shape:
                 if isinstance(d, (int, np.integer)):
                     dims.append(int(d))
                     continue
