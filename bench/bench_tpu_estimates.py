@@ -252,7 +252,7 @@ def table_row(chip, model, tokens, results, contenders, configs):
         row["best peer (config)"], row["ours / best peer"] = "-", "-"
     row["roofline us"] = f"{roofline * 1e6:.1f} ({'HBM' if hbm >= mxu else 'MXU'})"
     row["ours / roofline"] = f"{best_ours / roofline:.2f}" if best_ours else "-"
-    row["notes"] = "; ".join(notes + tpu_inference_peers.config_notes(MODELS[model], tokens, contenders))
+    row["notes"] = "; ".join(notes + tpu_inference_peers.config_notes(MODELS[model], tokens, results))
     return row, times, roofline
 
 

@@ -185,13 +185,14 @@ def fused_config(tokens: int, hidden: int, inter: int, experts: int, top_k: int)
     return " ".join(f"{k}={v}" for k, v in sizes.items())
 
 
-def config_notes(model_dims, tokens: int, contenders) -> list[str]:
-    """The config each tpu-inference contender ran with, for the table's notes."""
+def config_notes(model_dims, tokens: int, ran) -> list[str]:
+    """The config each tpu-inference contender in ``ran`` (the row's results)
+    ran or failed with, for the table's notes."""
     hidden, inter, experts, top_k, _ = model_dims
     notes = []
-    if "tpu-inference-gmm" in contenders:
+    if "tpu-inference-gmm" in ran:
         notes.append(f"tpu-inference-gmm tiles {gmm_config(tokens * top_k, hidden, inter, experts)}")
-    if "fused-ep-moe" in contenders and tokens % 2 == 0:
+    if "fused-ep-moe" in ran and tokens % 2 == 0:
         notes.append(f"fused-ep-moe {fused_config(tokens, hidden, inter, experts, top_k)}")
     return notes
 
