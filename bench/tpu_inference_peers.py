@@ -46,6 +46,7 @@ CONTENDERS = ("tpu-inference-gmm", "fused-ep-moe")
 SHORT_REASONS = (
     ("to be aligned to t_packing", "odd token count (bf16 packs 2 tokens)"),
     ("CompileTimeScopedVmemOom", "its tiles exceed the scoped VMEM limit"),
+    ("to be aligned to bd1=", "its default blocks do not divide the hidden size"),
 )
 _PACKAGE = "tpu_inference"
 
