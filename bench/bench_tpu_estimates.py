@@ -17,6 +17,8 @@ A peer at named configs: ``tokamax@tm,tk,tn[,input buffers]`` (both matmuls)
 or ``tokamax@UP/DOWN``, ``megablox@tm,tk,tn``; ``tokamax`` / ``megablox``
 alone: the peer's own default (tokamax's heuristics, megablox's 128 x 128 x
 128). The table names the best peer of each row, its configs, and ours / it.
+On request (``--contenders tpu-inference-gmm fused-ep-moe``): tpu-inference
+0.32.0's gmm and fused_ep_moe at their own block sizes (bench/tpu_inference_peers.py).
 
 Weights are in Transformers' ``[E, out, in]`` layout for ours, ``[E, in, out]``
 for the peers (their layout): the same bytes. Writes bench/results/tpu_estimates.md
@@ -39,6 +41,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import peer_sweep  # noqa: E402
 import tpu_estimator  # noqa: E402  (sets libtpu's dump folder before jax loads libtpu)
+import tpu_inference_peers  # noqa: E402  (tpu-inference 0.32.0's gmm and fused_ep_moe)
 from calibrate_tpu_estimator import PipelineRecorder  # noqa: E402
 from common import ROOT, calibration_summary, markdown, use_shipped_packages  # noqa: E402
 
@@ -92,6 +95,8 @@ def contender_fn(name, gate, generation):
 
         def fn(x, up, down, gs):
             return down_matmul(act(up_matmul(x, up, gs)), down, gs)
+    elif name == "tpu-inference-gmm":
+        fn = tpu_inference_peers.gmm_fn(act)
     else:
         raise ValueError(name)
     return fn
@@ -157,6 +162,9 @@ def estimate_one(chip, model, tokens, name, rng_seed=0):
 
     hidden, inter, experts, top_k, gate = MODELS[model]
     gs, flops, min_bytes = problem_size(model, tokens, rng_seed)
+    if name == "fused-ep-moe":  # its own inputs: hidden states and router logits
+        return tpu_inference_peers.estimate_fused(chip, tokens, hidden, inter, experts, top_k, rng_seed,
+                                                  flops=flops, min_bytes=min_bytes)
     x = jax.ShapeDtypeStruct((tokens * top_k, hidden), jnp.bfloat16)
     up, down = weight_specs(name, hidden, inter, experts)
     fn = contender_fn(name, gate, chip)
@@ -208,7 +216,8 @@ def _short_reason(error) -> str:
                            ("must be >= 128", "takes >= 128 rows only"),
                            ("must be divisible by x-dimension tile size", "rows must be a multiple of its 128 tile"),
                            ("does not fit VMEM", "rule runs two matmuls (expert > VMEM)"),
-                           ("no config runs", "no config of its sweep runs the shape")):
+                           ("no config runs", "no config of its sweep runs the shape"),
+                           *tpu_inference_peers.SHORT_REASONS):
         if needle in text:
             return reason
     return text.splitlines()[0][:70]
@@ -247,7 +256,7 @@ def table_row(chip, model, tokens, results, contenders, configs):
         row["best peer (config)"], row["ours / best peer"] = "-", "-"
     row["roofline us"] = f"{roofline * 1e6:.1f} ({'HBM' if hbm >= mxu else 'MXU'})"
     row["ours / roofline"] = f"{best_ours / roofline:.2f}" if best_ours else "-"
-    row["notes"] = "; ".join(notes)
+    row["notes"] = "; ".join(notes + tpu_inference_peers.config_notes(MODELS[model], tokens, results))
     return row, times, roofline
 
 
@@ -281,6 +290,10 @@ def run_estimates(args) -> tuple[dict, dict]:
                         continue
                     cell[name] = est.seconds
                     unmatched = "" if all(k.regions_matched for k in est.kernels) else " MXU regions unmatched"
+                    unmatched += "" if all(k.inner_loops_matched for k in est.kernels) else " inner loops unmatched"
+                    unmatched += "" if all(k.manual_dmas_matched for k in est.kernels) else " DMA waits unplaced"
+                    manual = sum(k.manual_dma_bytes for k in est.kernels)
+                    unmatched += f" (own DMAs {manual / 1e6:.1f} MB)" if manual else ""
                     print(f"[{chip}] {model} {tokens} {name}: {est.seconds * 1e6:.1f} us "
                           f"(roofline {est.roofline_s * 1e6:.1f} us, {time.time() - t0:.0f} s){unmatched}{shown}",
                           file=sys.stderr)
@@ -332,7 +345,7 @@ def main(argv=None):
         "`peer_sweep.jsonl`); the best peer column names its configs (tm, tk, tn) and tokamax's input buffers "
         "(xN). Roofline: max(MXU-bound, HBM-bound: rows in, the weights of the experts that have rows, rows "
         f"out). Neither tokamax nor megablox takes fewer than 128 rows (decode).\n\n    {command_line(args)}\n\n"
-        + "\n\n".join(sections) + "\n")
+        + tpu_inference_peers.table_note(args.contenders) + "\n\n".join(sections) + "\n")
     _plot(plot_rows, out.with_suffix(".png"), args.contenders)
     print(f"wrote {out}")
 

@@ -55,6 +55,12 @@ Not modelled, and which way each bends an estimate:
   queue, and a wait on a semaphore another chip signals is taken to have
   landed already (the peer is assumed in step). ICI links are slower than
   HBM: collective kernels read low.
+- Values a kernel computes on the vector unit and keeps in SMEM (e.g. the
+  routing tables of a kernel that routes its tokens itself, as tpu-inference's
+  fused_ep_moe) cannot be replayed: the caller passes them (``estimate``'s
+  ``kernel_refs``); without them the loops and copy sizes they decide are
+  unknown (loops unmatched, copies at their full extent). A kernel on a mesh
+  (``shard_map``) is estimated on a one-device mesh only, as device 0.
 - DMA starts are placed at the kernel's preceding wait (or the step's
   start), not at their own bundle: a start issued after compute in the same
   step is taken as issued earlier, which hides up to that compute (reads
@@ -204,9 +210,15 @@ def _walk(jaxpr):
 
 
 def _is_literal(v) -> bool:
-    from jax._src import core
+    global _LITERAL
+    if _LITERAL is None:  # imported once: the replay asks this millions of times for kernels that route themselves
+        from jax._src import core
 
-    return isinstance(v, core.Literal)
+        _LITERAL = core.Literal
+    return isinstance(v, _LITERAL)
+
+
+_LITERAL = None
 
 
 def grid_indices(grid) -> list[np.ndarray]:
@@ -225,11 +237,15 @@ class LoopRecord:
     """One ``fori_loop`` / ``scan`` / ``while`` met in a kernel body: its trip
     count per step (0 where it does not run), whether the lowering unrolls it
     (then the schedule holds every trip and nothing is added), and the
-    enclosing recorded loop."""
+    enclosing recorded loop. ``extra``: the trips beyond the one the schedule
+    holds, summed over every run of the loop in a step (a loop nested in a
+    loop whose trips are interpreted one by one may run a different count
+    on each, e.g. one per expert sized by its rows)."""
 
     trips: np.ndarray
     unrolled: bool
     parent: int | None
+    extra: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -253,6 +269,13 @@ class KernelTrace:
     wait_ids: dict = dataclasses.field(default_factory=dict)  # id(eqn) -> static index, program order
     loop: int | None = None  # the loop being interpreted
     first_trip: bool = True  # loops nested in a loop are recorded on its first trip only
+    # Per step, how many runs one interpretation of the current body stands
+    # for (the trips of enclosing loops interpreted once for all their trips).
+    repeat: np.ndarray | None = None
+    met: dict = dataclasses.field(default_factory=dict)  # (loop eqn, enclosing record) -> record
+    # Starts of no bytes (a kernel that sizes its copies by routing, e.g. one
+    # row or none per token and expert) are dropped: the queue charges bytes.
+    skip_empty: bool = False
 
 
 # Trips of one loop interpreted to collect its DMAs; longer loops are rare
@@ -278,12 +301,26 @@ def _key_at(key, step):
     return (var, tuple(None if v is UNKNOWN else int(np.broadcast_to(v, (step + 1,))[step]) for v in index))
 
 
-def _dma_bytes(ref) -> int:
+def _dma_bytes(ref, read=None, active=None) -> int:
+    """Bytes of a DMA's ref. A dynamic slice size (``pl.ds(start, n)``, n
+    traced) is read where known (its largest value over the steps that run
+    it); unknown, the dimension's full extent (an upper bound)."""
     aval = getattr(ref, "ref", ref).aval
     shape = aval.shape
     for t in getattr(ref, "transforms", ()):
         if hasattr(t, "get_indexer_shape"):
             shape = t.get_indexer_shape()
+            dims = []
+            for d in shape:
+                if isinstance(d, (int, np.integer)):
+                    dims.append(int(d))
+                    continue
+                v = read(d) if read is not None else UNKNOWN
+                if v is UNKNOWN:
+                    v = aval.shape[len(dims)] if len(dims) < len(aval.shape) else 0
+                v = np.broadcast_to(np.asarray(v), active.shape)[active] if active is not None else np.asarray(v)
+                dims.append(int(np.max(v, initial=0)))
+            shape = dims
     dtype = getattr(aval, "dtype", None) or aval.inner_aval.dtype
     return int(np.prod(shape)) * np.dtype(dtype).itemsize
 
@@ -324,9 +361,15 @@ def _interpret_loop(e, ins, trace, *, grid_index, grid, steps, active):
     if trips is UNKNOWN:
         return
     index = None
+    run = np.where(active, trips, 0)
+    more = np.maximum(run.astype(np.int64) - 1, 0) * (1 if trace.repeat is None else trace.repeat)
     if trace.first_trip:
-        trace.loops.append(LoopRecord(np.where(active, trips, 0), unrolled, trace.loop))
+        trace.loops.append(LoopRecord(run, unrolled, trace.loop, more))
         index = len(trace.loops) - 1
+        trace.met.setdefault((id(e), trace.loop), index)
+    elif (id(e), trace.loop) in trace.met:  # a later trip of an enclosing loop: add this run's trips
+        index = trace.met[(id(e), trace.loop)]
+        trace.loops[index].extra += more
     if e.primitive.name == "scan":
         n_consts, n_carry = e.params["num_consts"], e.params["num_carry"]
         body, consts, carry = e.params["jaxpr"].jaxpr, ins[:n_consts], ins[n_consts:n_consts + n_carry]
@@ -335,7 +378,9 @@ def _interpret_loop(e, ins, trace, *, grid_index, grid, steps, active):
         n_cond, n_body = e.params["cond_nconsts"], e.params["body_nconsts"]
         body, consts, carry, xs = e.params["body_jaxpr"].jaxpr, ins[n_cond:n_cond + n_body], ins[n_cond + n_body:], []
     if not _has_dma(body):
-        sub = dataclasses.replace(trace, loop=index if index is not None else trace.loop, dmas=[], wait_ids={})
+        repeat = np.maximum(run, 1) * (1 if trace.repeat is None else trace.repeat)
+        sub = dataclasses.replace(trace, loop=index if index is not None else trace.loop, dmas=[], wait_ids={},
+                                  repeat=repeat)
         interpret(body, list(consts) + list(carry) + xs, grid_index=grid_index, grid=grid, steps=steps,
                   active=active & (trips > 0), trace=sub)  # nested loops only
         trace.loops[:] = sub.loops
@@ -376,6 +421,8 @@ def interpret(jaxpr, inputs, *, grid_index, grid, steps, conds=None, active=None
         known = all(x is not UNKNOWN for x in ins)
         if name == "program_id":
             outs = [grid_index[e.params["axis"]]]
+        elif name == "axis_index":  # the estimate is for the mesh's first device
+            outs = [np.asarray(0, np.int32)]
         elif name == "num_programs":
             outs = [np.asarray(grid[e.params["axis"]])]
         elif name == "cond":
@@ -394,10 +441,12 @@ def interpret(jaxpr, inputs, *, grid_index, grid, steps, conds=None, active=None
             src, dst, dst_sem, src_sem, _ = e.params["tree"].unflatten(e.invars)
             if name == "dma_start":
                 keys = tuple(k for k in (_sem_key(dst_sem, read), _sem_key(src_sem, read)) if k is not None)
-                trace.dmas.append(DmaEvent("start", active.copy(), _dma_bytes(src), keys))
+                nbytes = _dma_bytes(src, read, active)
+                if nbytes or not trace.skip_empty:
+                    trace.dmas.append(DmaEvent("start", active.copy(), nbytes, keys))
             else:
-                trace.dmas.append(DmaEvent("wait", active.copy(), _dma_bytes(dst), (_sem_key(dst_sem, read),),
-                                           trace.wait_ids.get(id(e), -1)))
+                trace.dmas.append(DmaEvent("wait", active.copy(), _dma_bytes(dst, read, active),
+                                           (_sem_key(dst_sem, read),), trace.wait_ids.get(id(e), -1)))
         elif (body := _call_body(e)) is not None:
             outs = interpret(getattr(body, "jaxpr", body), ins, grid_index=grid_index, grid=grid, steps=steps,
                              conds=conds, active=active, trace=trace)
@@ -472,6 +521,10 @@ _CALL_PARAMS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "c
 
 
 def _call_body(eqn):
+    if eqn.primitive.name == "shard_map":
+        # On a one-device mesh the body sees the whole arrays: a plain call
+        # (a kernel written for a mesh, e.g. an expert-parallel one at ep=1).
+        return eqn.params["jaxpr"] if eqn.params["mesh"].size == 1 else None
     param = _CALL_PARAMS.get(eqn.primitive.name)
     body = eqn.params.get(param) if param else None
     if body is None:
@@ -495,6 +548,8 @@ def _host_eval(jaxpr, consts, inputs, calls, scope="kernel"):
         if e.primitive.name == "pallas_call":
             # An unnamed pallas_call is named by XLA after the jit around it.
             calls.append(KernelCall(e.params.get("name") or scope, e, ins))
+        elif e.primitive.name == "with_memory_space_constraint":  # a placement hint: the value itself
+            outs = ins
         elif (body := _call_body(e)) is not None:
             jaxpr_, consts = (body.jaxpr, list(body.consts)) if hasattr(body, "consts") else (body, [])
             outs = _host_eval(jaxpr_, consts, ins, calls, e.params.get("name") or scope)
@@ -533,7 +588,10 @@ class GridReplay:
         return int(np.prod(self.grid))
 
 
-def replay(call: KernelCall) -> GridReplay:
+def replay(call: KernelCall, known_refs: dict[int, np.ndarray] | None = None) -> GridReplay:
+    """``known_refs``: contents of some of the kernel body's refs (by position
+    in its arguments: inputs, outputs, scratch) that the replay cannot derive,
+    e.g. the routing tables a kernel computes into SMEM itself."""
     from jax._src.pallas import core as pallas_core
 
     gm = call.eqn.params["grid_mapping"]
@@ -567,12 +625,15 @@ def replay(call: KernelCall) -> GridReplay:
         whole.append(int(np.prod(bm.array_aval.shape)) * bm.array_aval.dtype.itemsize)
     kernel = call.eqn.params["jaxpr"]
     refs = [np.asarray(p) for p in prefetch] + [UNKNOWN] * (len(kernel.invars) - len(prefetch))
+    for i, value in (known_refs or {}).items():
+        refs[i] = np.asarray(value)
     conds: list[CondRecord] = []
-    trace = KernelTrace(wait_ids=static_waits(kernel))
+    trace = KernelTrace(wait_ids=static_waits(kernel), skip_empty=bool(known_refs))
     interpret(kernel, refs, grid_index=grid_index, grid=grid, steps=steps, conds=conds, trace=trace)
     taken = [np.isin(c.branch, b) for c in conds for b in c.dot_branches]
     buffers = [getattr(bm.pipeline_mode, "buffer_count", None) or 2 for bm in gm.block_mappings]
-    manual = [str(getattr(bm.block_aval, "memory_space", "")) == "any" for bm in gm.block_mappings]
+    # memory_space=ANY or HBM: the operand stays in HBM, the kernel copies what it needs itself
+    manual = [str(getattr(bm.block_aval, "memory_space", "")) in ("any", "hbm") for bm in gm.block_mappings]
     return GridReplay(tuple(grid), block_indices, block_bytes, is_output, taken, buffers, whole,
                       trace.loops, trace.dmas, manual)
 
@@ -631,9 +692,17 @@ def simulate(step_cycles, fetches, writeback_bytes, *, clock_hz, hbm_bytes_per_s
             if kind == "start":
                 queue = max(queue, t) + nbytes / bw
                 for key in keys:
-                    in_flight.setdefault(key, []).append(queue)
-            elif in_flight.get(keys[0]):
-                stall += max(in_flight[keys[0]].pop(0) - t, 0.0)
+                    in_flight.setdefault(key, []).append([queue, nbytes])
+            else:  # until its bytes have landed: one start's, or several started on one semaphore
+                pending, landed, need = in_flight.get(keys[0]) or [], None, max(nbytes, 1)
+                while pending and need > 0:
+                    take = min(pending[0][1], need) if pending[0][1] else need
+                    landed, need = pending[0][0], need - take
+                    pending[0][1] -= take
+                    if pending[0][1] <= 0:
+                        pending.pop(0)
+                if landed is not None:
+                    stall += max(landed - t, 0.0)
         core = start + step_cycles[i] / clock_hz + stall
         if writeback_bytes[i]:
             queue = max(queue, core) + writeback_bytes[i] / bw
@@ -703,9 +772,15 @@ def step_cycles(rp: GridReplay, schedule: tpu_schedule.Schedule) -> tuple[np.nda
     elif not rp.mxu_taken:  # no matmul under a pl.when: every step runs all of the loop
         matched = True
     else:
-        matched = len(mxu_regions) == len(rp.mxu_taken)
+        taken_lists = rp.mxu_taken
+        if len(mxu_regions) != len(taken_lists):
+            # The compiler folds away a branch no step can take (a predicate
+            # on a one-step grid axis, e.g. "not the last k tile" when k has
+            # one tile): match the regions without those.
+            taken_lists = [t for t in taken_lists if t.any()]
+        matched = len(mxu_regions) == len(taken_lists)
         if matched:
-            for region, taken in zip(mxu_regions, rp.mxu_taken):
+            for region, taken in zip(mxu_regions, taken_lists):
                 cycles -= np.where(taken, 0, region.cycles)
     # A pipelined grid loop runs one more iteration that only issues step 0's
     # DMAs: the loop minus its step body (the region enclosing the MXU work).
@@ -752,7 +827,8 @@ def inner_loop_cycles(pairs, steps: int) -> np.ndarray:
     static trip (as if its region ran)."""
     extra = np.zeros(steps, np.int64)
     for lp, rec, mult in pairs:
-        extra += mult * np.maximum(rec.trips.astype(np.int64) - 1, 0) * lp.cycles
+        more = rec.extra if rec.extra is not None else mult * np.maximum(rec.trips.astype(np.int64) - 1, 0)
+        extra += more * lp.cycles
     return extra
 
 
@@ -968,11 +1044,18 @@ def _libtpu_dump_dir() -> pathlib.Path:
 
 
 def chip_device(chip: Chip):
-    """One abstract device of the chip (from libtpu's topology, no TPU needed)."""
+    """One abstract device of the chip (from libtpu's topology, no TPU needed);
+    the same object on every call, so a mesh built on it (a kernel's
+    ``shard_map``) matches the device the estimate compiles for."""
     from jax.experimental import topologies
 
     _libtpu_dump_dir()
-    return topologies.get_topology_desc(platform="tpu", topology_name=chip.topology).devices[0]
+    if chip.topology not in _DEVICES:
+        _DEVICES[chip.topology] = topologies.get_topology_desc(platform="tpu", topology_name=chip.topology).devices[0]
+    return _DEVICES[chip.topology]
+
+
+_DEVICES: dict = {}
 
 
 def row_major(ndim: int, sharding):
@@ -1025,7 +1108,7 @@ def compile_with_dump(fn, args, chip: Chip) -> pathlib.Path:
 
 
 def estimate(fn, args, generation: str, *, flops: float, min_bytes: float, replay_for=None,
-             what_if: dict[str, Chip] | None = None) -> Estimate:
+             what_if: dict[str, Chip] | None = None, kernel_refs=None) -> Estimate:
     """Estimated seconds of ``fn(*args)`` on one JAX device of ``generation``
     (one TensorCore; a v5p megacore's two where a kernel's grid splits).
 
@@ -1035,6 +1118,8 @@ def estimate(fn, args, generation: str, *, flops: float, min_bytes: float, repla
     minimums the estimate is compared with. ``replay_for(call)`` may give
     the grid replay of a kernel that runs its own pipeline (``emit_pipeline``:
     its pallas_call has no grid); None: replay the pallas_call's grid.
+    ``kernel_refs(call)``: known contents of refs the kernel fills itself
+    (``replay``'s ``known_refs``), e.g. routing tables it computes in SMEM.
     ``what_if``: other constants for the same chip (a clock, a bandwidth):
     the same schedules and replays re-simulated with each, seconds in
     ``Estimate.what_if`` (to test which constant a miss points at)."""
@@ -1055,7 +1140,7 @@ def estimate(fn, args, generation: str, *, flops: float, min_bytes: float, repla
                 raise ValueError(f"more calls of {call.name!r} than compiled kernels: XLA merged or removed one")
             schedule = tpu_schedule.read(dumps[call.name].pop(0))
             own_grid = replay_for is None
-            rp = replay(call) if own_grid else replay_for(call)
+            rp = replay(call, kernel_refs(call) if kernel_refs else None) if own_grid else replay_for(call)
             kernels.append(estimate_kernel(call, schedule, chip, rp, own_grid=own_grid))
             for name, alt in (what_if or {}).items():
                 alternatives[name] += estimate_kernel(call, schedule, alt, rp, own_grid=own_grid).seconds

@@ -403,3 +403,86 @@ def test_programs_are_compiled_with_arguments_and_results_in_the_default_layout(
     head = compiled.as_text().split("entry_computation_layout=", 1)[1][:400]
     for array in ("bf16[4096,2880]", "bf16[2880,5760]", "f32[4096,5760]"):  # row-major: minor-to-major {1,0}
         assert array + "{1,0:" in head, head
+
+
+def test_simulation_wait_covers_several_starts_on_one_semaphore():
+    # 1 GHz, 1 GB/s. Three copies of 1000 bytes start at 0 on one semaphore
+    # (queued: they land at 1, 2 and 3 us); one wait for 3000 bytes at 0.5 us
+    # stalls until the last has landed, then the step computes 1 us: 4 us.
+    manual = [[(0, "start", 1000, ("s",)), (0, "start", 1000, ("s",)), (0, "start", 1000, ("s",)),
+               (500, "wait", 3000, ("s",))]]
+    t = tpu_estimator.simulate([1500], [], np.zeros(1), clock_hz=1e9, hbm_bytes_per_s=1e9, manual=manual)
+    assert t == pytest.approx(4e-6)
+    # A wait for one copy's bytes waits for the first only.
+    manual[0][-1] = (500, "wait", 1000, ("s",))
+    t = tpu_estimator.simulate([1500], [], np.zeros(1), clock_hz=1e9, hbm_bytes_per_s=1e9, manual=manual)
+    assert t == pytest.approx(3e-6)  # the queue still drains the other two copies
+
+
+def test_replay_of_a_kernel_that_routes_itself_with_known_smem():
+    # A kernel on a one-device mesh copies, for each of 4 experts, as many
+    # rows as its SMEM table says (a table such a kernel computes itself, so
+    # the replay is given it), starting at its device's row: the replay reads
+    # the dynamic sizes, drops the empty copies and sees the one-device
+    # shard_map as a plain call.
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    rows, cols = 16, 128
+
+    def kernel(x_hbm, o_ref, sizes, buf, sem):
+        me = jax.lax.axis_index("x")
+        for e in range(4):
+            n = sizes[e]
+            cp = pltpu.make_async_copy(x_hbm.at[pl.ds(me, n)], buf.at[pl.ds(0, n)], sem)
+            cp.start()
+            cp.wait()
+        o_ref[...] = buf[...]
+
+    call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((rows, cols), jnp.float32),
+                          in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+                          scratch_shapes=[pltpu.SMEM((4,), jnp.int32), pltpu.VMEM((rows, cols), jnp.float32),
+                                          pltpu.SemaphoreType.DMA(())], name="routed")
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("x",))
+    fn = jax.shard_map(call, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    [kc] = tpu_estimator.kernel_calls(fn, [jax.ShapeDtypeStruct((rows, cols), jnp.float32)])
+    rp = tpu_estimator.replay(kc, known_refs={2: np.array([3, 0, 5, 1], np.int32)})
+    starts = [ev.nbytes for ev in rp.dmas if ev.kind == "start"]
+    assert starts == [3 * cols * 4, 5 * cols * 4, cols * 4]  # the empty copy is dropped
+    assert [ev.nbytes for ev in rp.dmas if ev.kind == "wait"] == [3 * cols * 4, 0, 5 * cols * 4, cols * 4]
+    assert rp.manual[0]  # the ANY operand moves by the kernel's own copies only
+
+
+def test_replay_sums_a_nested_loop_over_its_parents_trips():
+    # An outer loop that copies (so its trips are interpreted one by one)
+    # runs an inner loop of table[i] trips: 1, 4, 2. Beyond the one trip per
+    # run the schedule holds: 0 + 3 + 1 = 4 (the first run's count times
+    # three would say 0).
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    def kernel(table, x_hbm, o_ref, buf, sem):
+        def outer(i, acc):
+            cp = pltpu.make_async_copy(x_hbm, buf, sem)
+            cp.start()
+            cp.wait()
+            return jax.lax.fori_loop(0, table[i], lambda j, a: jnp.tanh(a) + buf[...], acc)
+        o_ref[...] = jax.lax.fori_loop(0, 3, outer, jnp.zeros((8, 128), jnp.float32))
+
+    call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                          grid_spec=pltpu.PrefetchScalarGridSpec(
+                              num_scalar_prefetch=1, in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+                              scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA(())]),
+                          name="nested")
+    [kc] = tpu_estimator.kernel_calls(call, [np.array([1, 4, 2], np.int32),
+                                             jax.ShapeDtypeStruct((8, 128), jnp.float32)])
+    rp = tpu_estimator.replay(kc)
+    outer, inner = rp.loops
+    assert outer.trips.tolist() == [3] and inner.parent == 0
+    assert inner.extra.tolist() == [4]
+    assert tpu_estimator.inner_loop_cycles([(tpu_schedule.Loop(0, 10), inner, np.ones(1, np.int64))], 1).tolist() == [40]

@@ -1,0 +1,277 @@
+"""tpu-inference 0.32.0 (vLLM's TPU backend) as a peer of the MoE experts benchmark.
+
+Benchmark-only: the wheel is installed without its serving stack
+(bench/requirements-nodeps.lock), so its package ``__init__`` (which imports
+vllm and sets serving environment variables) must not run. ``load`` imports
+only the kernel modules: the two top-level packages on the import path are
+registered as bare namespace modules (their ``__init__`` not executed), and
+``tpu_inference.logger`` (it wraps vllm's logger) is replaced by a stand-in
+with the two methods the kernels call.
+
+Contenders (names for ``bench_tpu_estimates.py --contenders``):
+
+- ``tpu-inference-gmm``: ``tpu_inference.kernels.megablox.gmm`` twice (up,
+  gate, down) on the rows sorted by expert, weights ``[E, in, out]`` as the
+  other peers; tiling: what the kernel picks itself when not given one (its
+  tuned table, else its heuristic ``get_default_gmm_block_sizes``). This is
+  the grouped matmul the wheel vendors (a megablox derivative; its MoE layers
+  run it with ``USE_UNFUSED_MEGABLOCKS``). Its default MoE path (GMM_TP /
+  GMM_EP) calls tokamax's ``gmm_v2`` instead, from tokamax 0.0.17.dev20261015,
+  a dependency it does not vendor; our benchmarks pin tokamax 0.0.12 (the
+  estimator's calibration source), which has no ``gmm_v2``: not estimated.
+- ``fused-ep-moe``: ``tpu_inference.kernels.fused_moe.v1.fused_ep_moe`` on one
+  device (ep=1): it takes the layer's hidden states ``[T, H]`` and the router
+  logits ``[T, E]`` and does the routing (softmax, top-k), the gather of each
+  expert's tokens, both matmuls and the gate, and the weighted scatter-add
+  back to ``[T, H]`` (bf16 out). Weights ``w1 [E, 2, H, F]`` (gate and up
+  stacked) and ``w2 [E, F, H]``: the same bytes as the others'. Block sizes:
+  its tuned table, else its defaults (``get_tuned_block_sizes``). Hidden and
+  intermediate sizes padded to multiples of 256, as its layer pads the
+  weights when loading them (gpt-oss-20b: 2880 -> 3072).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import pathlib
+import sys
+import types
+
+import numpy as np
+
+CONTENDERS = ("tpu-inference-gmm", "fused-ep-moe")
+# Errors of these kernels on a shape -> the table's few words.
+SHORT_REASONS = (
+    ("to be aligned to t_packing", "odd token count (bf16 packs 2 tokens)"),
+    ("CompileTimeScopedVmemOom", "its tiles exceed the scoped VMEM limit"),
+    ("to be aligned to bd1=", "its default blocks do not divide the hidden size"),
+)
+_PACKAGE = "tpu_inference"
+
+
+def _bare_package(name: str, path: pathlib.Path) -> types.ModuleType:
+    """A package module whose ``__init__`` is not run: its submodules import
+    from ``path`` as usual."""
+    module = types.ModuleType(name)
+    module.__path__ = [str(path)]
+    module.__spec__ = importlib.util.spec_from_loader(name, loader=None, is_package=True)
+    module.__spec__.submodule_search_locations = [str(path)]
+    return module
+
+
+class _OnceLogger(logging.LoggerAdapter):
+    """What the kernels call on tpu-inference's (vllm's) logger."""
+
+    def __init__(self, name):
+        super().__init__(logging.getLogger(name), {})
+        self._seen = set()
+
+    def _once(self, level, msg, *args):
+        if msg not in self._seen:
+            self._seen.add(msg)
+            self.log(level, msg, *args)
+
+    def warning_once(self, msg, *args, **_):
+        self._once(logging.WARNING, msg, *args)
+
+    def info_once(self, msg, *args, **_):
+        self._once(logging.INFO, msg, *args)
+
+
+def load(module: str) -> types.ModuleType:
+    """Import ``tpu_inference.<module>`` without the package's ``__init__``."""
+    if _PACKAGE not in sys.modules:
+        spec = importlib.util.find_spec(_PACKAGE)  # finds, does not execute
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError("tpu-inference is not installed: bash scripts/bootstrap.sh bench")
+        root = pathlib.Path(list(spec.submodule_search_locations)[0])
+        sys.modules[_PACKAGE] = _bare_package(_PACKAGE, root)
+        sys.modules[f"{_PACKAGE}.kernels"] = _bare_package(f"{_PACKAGE}.kernels", root / "kernels")
+        logger = types.ModuleType(f"{_PACKAGE}.logger")
+        logger.init_logger = _OnceLogger
+        sys.modules[logger.__name__] = logger
+    return importlib.import_module(f"{_PACKAGE}.{module}")
+
+
+# ----------------------------------------------------------------------------
+# tpu-inference gmm
+# ----------------------------------------------------------------------------
+
+
+def gmm_tiling(m: int, k: int, n: int, experts: int, dtype: str = "bfloat16") -> tuple[int, int, int]:
+    """The (tm, tk, tn) tpu-inference's gmm runs ``[m, k] @ [E, k, n]`` with
+    when called without a tiling (as its ``gmm`` does: bf16 weights, one
+    shard holding every expert)."""
+    tuned = load("kernels.megablox.tuned_block_sizes")
+    return tuple(tuned.get_tuned_block_sizes(m=m, k=k, n=n, num_total_groups=experts, num_current_groups=experts,
+                                             lhs_dtype=dtype, rhs_dtype=dtype, quant_block_size=k))
+
+
+def gmm_fn(act):
+    """``down(act(up(x)))`` by tpu-inference's gmm at its own tiling;
+    ``act``: the gate (f32 in, bf16 out)."""
+    import jax.numpy as jnp
+
+    gmm = load("kernels.megablox.gmm").gmm
+
+    def fn(x, up, down, gs):
+        h = gmm(x, up, gs, preferred_element_type=jnp.float32)
+        return gmm(act(h), down, gs, preferred_element_type=jnp.float32)
+
+    return fn
+
+
+def gmm_config(rows: int, hidden: int, inter: int, experts: int) -> str:
+    """The two tilings (up, down) as the table names them: ``up 128,2048,1536 / down 128,768,2048``."""
+    up = gmm_tiling(rows, hidden, 2 * inter, experts)
+    down = gmm_tiling(rows, inter, hidden, experts)
+    return f"up {','.join(map(str, up))} / down {','.join(map(str, down))}"
+
+
+# ----------------------------------------------------------------------------
+# tpu-inference fused_ep_moe at ep=1
+# ----------------------------------------------------------------------------
+
+
+def fused_block_sizes(tokens: int, hidden: int, inter: int, experts: int, top_k: int) -> dict[str, int]:
+    """The block sizes fused_ep_moe runs with at ep=1, bf16, on weights padded
+    to multiples of 256 as its serving layer pads them (its tuned table, else
+    its defaults, then its own clamps to the token count)."""
+    tuned = load("kernels.fused_moe.v1.tuned_block_sizes")
+    hidden, inter = _align(hidden, 256), _align(inter, 256)
+    names = ("bt", "bf", "bd1", "bd2", "btc", "bfc", "bd1c", "bd2c")
+    sizes = dict(zip(names, tuned.get_tuned_block_sizes(hidden, inter, experts, top_k, 2, 2, tokens, 1)))
+    if tokens <= 2 * 8:  # its override: t_packing (2 for bf16) * 8 tokens or fewer run as one block
+        sizes["bt"] = sizes["btc"] = tokens
+    sizes["bt"] = min(tokens, sizes["bt"])
+    sizes["btc"] = min(sizes["bt"], sizes["btc"])
+    return sizes
+
+
+def _align(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def fused_fn(generation: str, top_k: int):
+    """``fused_ep_moe(tokens [T, H], w1 [E, 2, H, F], w2 [E, F, H], logits [T, E])``
+    on a one-device mesh of the chip."""
+    import jax
+    from jax.sharding import Mesh
+
+    import tpu_estimator
+
+    kernel = load("kernels.fused_moe.v1.kernel")
+    device = tpu_estimator.chip_device(tpu_estimator.CHIPS[generation])
+    mesh = Mesh(np.array([device]).reshape(1, 1), ("data", "model"))
+
+    def fn(tokens, w1, w2, logits):
+        return kernel.fused_ep_moe(mesh, tokens, w1, w2, logits, top_k, act_fn="silu", ep_axis_name="model")
+
+    return jax.jit(fn)
+
+
+def router_logits(tokens: int, experts: int, rng_seed: int) -> np.ndarray:
+    """Router logits (bf16: the kernel takes them in the tokens' dtype) whose
+    top-k is bench_tpu_estimates' ``routing_group_sizes`` routing for the same
+    seed (it takes the k smallest of the same draw), but for ties bf16 makes."""
+    import ml_dtypes
+
+    return (-np.random.default_rng(rng_seed).random((tokens, experts))).astype(ml_dtypes.bfloat16)
+
+
+def fused_config(tokens: int, hidden: int, inter: int, experts: int, top_k: int) -> str:
+    sizes = fused_block_sizes(tokens, hidden, inter, experts, top_k)
+    return " ".join(f"{k}={v}" for k, v in sizes.items())
+
+
+def config_notes(model_dims, tokens: int, ran) -> list[str]:
+    """The config each tpu-inference contender in ``ran`` (the row's results)
+    ran or failed with, for the table's notes."""
+    hidden, inter, experts, top_k, _ = model_dims
+    notes = []
+    if "tpu-inference-gmm" in ran:
+        notes.append(f"tpu-inference-gmm tiles {gmm_config(tokens * top_k, hidden, inter, experts)}")
+    if "fused-ep-moe" in ran and tokens % 2 == 0:
+        notes.append(f"fused-ep-moe {fused_config(tokens, hidden, inter, experts, top_k)}")
+    return notes
+
+
+def estimate_fused(chip: str, tokens: int, hidden: int, inter: int, experts: int, top_k: int, rng_seed: int,
+                   *, flops: float, min_bytes: float):
+    """The estimate of fused_ep_moe (ep=1) for one experts layer of ``tokens``
+    tokens, routed as bench_tpu_estimates routes them (same seed)."""
+    import jax
+    import jax.numpy as jnp
+
+    import tpu_estimator
+
+    # Its serving layer pads the weights' hidden and intermediate sizes to
+    # multiples of 256 when it loads them (and the hidden states per call).
+    hidden, inter = _align(hidden, 256), _align(inter, 256)
+    bf16 = jnp.bfloat16
+    args = [jax.ShapeDtypeStruct((tokens, hidden), bf16),
+            jax.ShapeDtypeStruct((experts, 2, hidden, inter), bf16),
+            jax.ShapeDtypeStruct((experts, inter, hidden), bf16),
+            router_logits(tokens, experts, rng_seed)]
+    routing = np.argsort(-args[3].astype(np.float32), axis=1, kind="stable")[:, :top_k]
+    bt = fused_block_sizes(tokens, hidden, inter, experts, top_k)["bt"]
+    return tpu_estimator.estimate(fused_fn(chip, top_k), args, chip, flops=flops, min_bytes=min_bytes,
+                                  kernel_refs=lambda call: fused_routing_refs(call, routing, experts, bt))
+
+
+def fused_routing_refs(call, routing: np.ndarray, experts: int, bt: int) -> dict[int, np.ndarray]:
+    """What fused_ep_moe computes into SMEM from the router logits (its top-k
+    on the vector unit, then a DMA), which the estimator's replay cannot
+    follow: per token block (two slots, block b in slot b % 2) the token ->
+    expert table, each expert's row count (also the one device's row of the
+    device -> expert counts) and zero starts / offsets (ep=1). Blocks past the
+    second are taken to route as the first two (same distribution: the
+    routing is uniform at random); exact up to 2 * bt tokens."""
+    kernel = call.eqn.params["jaxpr"]
+    smem = [i for i, v in enumerate(kernel.invars) if "smem" in str(getattr(v.aval, "memory_space", "")).lower()]
+    t2e, d2e, offsets, starts, sizes = smem[:5]
+    shape = lambda i: kernel.invars[i].aval.shape  # noqa: E731
+    values = {i: np.zeros(shape(i), np.int32) for i in (t2e, d2e, offsets, starts, sizes)}
+    for slot in range(2):
+        block = routing[slot * bt:(slot + 1) * bt]
+        if not len(block):
+            continue
+        values[t2e][slot, :len(block), :block.shape[1]] = block
+        counts = np.bincount(block.reshape(-1), minlength=experts)
+        values[sizes][slot, 0, :experts] = counts
+        values[d2e][slot, 0, 0, :experts] = counts
+    return values
+
+
+def table_note(contenders) -> str:
+    """What the tpu-inference contenders of a table run and include."""
+    notes = []
+    if "tpu-inference-gmm" in contenders:
+        notes.append(
+            "tpu-inference-gmm: tpu-inference 0.32.0's `kernels/megablox/gmm.py` (a megablox derivative) twice, "
+            "f32 out like the other peers, at the tiles it picks itself when given none (its tuned table, "
+            "which holds no bf16 shape of these models, else its heuristic `get_default_gmm_block_sizes`: "
+            "tm = the largest divisor of the rows not above 2 x rows / experts rounded up to 128 (at most 512), "
+            "tk, tn = the dimension rounded up to 128, at most 2048); the tiles are in the notes. It takes "
+            "fewer than 128 rows (tm divides the rows). Not tpu-inference's default MoE path, which calls tokamax's "
+            "gmm_v2 from tokamax 0.0.17.dev (not vendored; our pinned tokamax 0.0.12 has no gmm_v2).")
+    if "fused-ep-moe" in contenders:
+        notes.append(
+            "fused-ep-moe: tpu-inference 0.32.0's `fused_ep_moe` (fused_moe v1) on one device (ep=1) at its "
+            "block sizes (its tuned table has no entry for these models and ep=1: its defaults, then its "
+            "clamps to the token count; in the notes). It does more than ours: it takes the hidden states "
+            "[T, H] and the router logits and does the routing itself (softmax, top-k on the vector unit), "
+            "copies each expert's token rows into VMEM one row per DMA, runs up, gate and down, copies the "
+            "rows back through an HBM buffer and sums them weighted by the router (bf16 out; ours: rows "
+            "already sorted by expert, f32 out, no routing, no gather or scatter). It also streams every "
+            "expert's weights once per token block (bt tokens, at most 128), whether tokens are routed to "
+            "the expert or not: at decode that alone is the weights of all experts (ours: of the experts "
+            "with rows), and from 256 tokens on it is several passes over all of them; the part comparable "
+            "to ours cannot be split off its one kernel, so its whole time is listed. Not estimable: an odd "
+            "token count (bf16 tokens are packed in pairs). Estimated with the routing computed on the host "
+            "(the estimator cannot follow the kernel's own top-k): exact up to two token blocks, beyond that "
+            "every block is taken to route as the first two. gpt-oss-20b: hidden and intermediate 2880 padded to 3072 "
+            "as tpu-inference pads them when loading the weights (the kernel takes multiples of 128 only).")
+    return "".join(n + "\n\n" for n in notes)
