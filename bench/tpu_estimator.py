@@ -533,6 +533,13 @@ class GridReplay:
         return int(np.prod(self.grid))
 
 
+def user_grid_axes(grid_mapping, rank: int) -> list[int]:
+    """The grid axes a kernel body's ``program_id`` counts: all but those a
+    ``jax.vmap`` of the pallas_call added in front of the user's."""
+    vmapped = set(getattr(grid_mapping, "vmapped_dims", ()) or ())
+    return [a for a in range(rank) if a not in vmapped]
+
+
 def replay(call: KernelCall) -> GridReplay:
     from jax._src.pallas import core as pallas_core
 
@@ -569,7 +576,13 @@ def replay(call: KernelCall) -> GridReplay:
     refs = [np.asarray(p) for p in prefetch] + [UNKNOWN] * (len(kernel.invars) - len(prefetch))
     conds: list[CondRecord] = []
     trace = KernelTrace(wait_ids=static_waits(kernel))
-    interpret(kernel, refs, grid_index=grid_index, grid=grid, steps=steps, conds=conds, trace=trace)
+    # The body's program_id(a) / num_programs(a) count the user's grid axes
+    # only: the axes a jax.vmap of the pallas_call added (vmapped_dims) are
+    # skipped, as Mosaic lowers them (its user_grid_indices). The index maps
+    # above take every axis.
+    user = user_grid_axes(gm, len(grid))
+    interpret(kernel, refs, grid_index=[grid_index[a] for a in user], grid=[grid[a] for a in user], steps=steps,
+              conds=conds, trace=trace)
     taken = [np.isin(c.branch, b) for c in conds for b in c.dot_branches]
     buffers = [getattr(bm.pipeline_mode, "buffer_count", None) or 2 for bm in gm.block_mappings]
     manual = [str(getattr(bm.block_aval, "memory_space", "")) == "any" for bm in gm.block_mappings]
