@@ -108,7 +108,7 @@ CASE_BY_KEY = {c.key: c for c in CASES}
 # Splash forward sweep: (block_q, block_kv, block_kv_compute).
 SPLASH_FORWARD = [(512, 512, 512), (1024, 1024, 512), (1024, 1024, 1024), (2048, 1024, 512), (1024, 2048, 512),
                   (2048, 2048, 512), (2048, 2048, 1024)]
-SPLASH_FORWARD_QUICK = [(512, 512, 512), (1024, 1024, 512), (2048, 2048, 512)]
+SPLASH_FORWARD_QUICK = [(1024, 1024, 512), (1024, 2048, 512), (2048, 2048, 512)]
 # Splash backward sweep: "fused" (one dk/dv/dq kernel) or "dq" (separate dq
 # kernel, its blocks = the dk/dv kernel's), with (block_q_dkv, block_kv_dkv,
 # block_kv_dkv_compute).
@@ -394,15 +394,19 @@ def parse_logs(paths) -> dict:
             if m:
                 gen, key, mode, name, rest = m.groups()
                 t = _TIME.match(rest)
-                out.setdefault((gen, key, mode), {})[name] = float(t.group(1)) * 1e-6 if t else rest
+                reason = re.sub(r" \(\d+ s\)$", "", rest)  # the elapsed time the line ends with
+                reason = re.sub(r"^refused: JaxRuntimeError: .*CompileTimeHbmOom.*$",
+                                "refused: compiler: the program exceeds the chip's HBM", reason)
+                out.setdefault((gen, key, mode), {})[name] = float(t.group(1)) * 1e-6 if t else reason
     return out
 
 
 def short_reason(error: BaseException | str) -> str:
     text = str(error)
+    if "CompileTimeHbmOom" in text:
+        return "compiler: the program exceeds the chip's HBM"
     for needle, reason in (("vmem", "VMEM refused"), ("VMEM", "VMEM refused"),
-                           ("RESOURCE_EXHAUSTED", "compiler: resources exhausted"),
-                           ("CompileTimeHbmOom", "exceeds the chip's HBM")):
+                           ("RESOURCE_EXHAUSTED", "compiler: resources exhausted")):
         if needle in text:
             line = next((ln for ln in text.splitlines() if needle in ln), "")
             return f"{reason} ({line.strip()[:100]})"
@@ -441,7 +445,8 @@ def best_of(cell: dict, prefix: str):
     return name, timed[name]
 
 
-def run(generations, cases, quick: bool, skip_train: bool, results: dict):
+def run(generations, cases, quick: bool, skip_train: bool, results: dict, peers=("splash", "tokamax", "jaxflash"),
+        skip=()):
     fwd_sweep = SPLASH_FORWARD_QUICK if quick else SPLASH_FORWARD
     bwd_sweep = SPLASH_BACKWARD_QUICK if quick else SPLASH_BACKWARD
     for generation in generations:
@@ -449,26 +454,29 @@ def run(generations, cases, quick: bool, skip_train: bool, results: dict):
             run_one(results, generation, case, "fwd", "ours", lambda: ours(generation, case, False))
             if not case.prefill:
                 continue
-            for blocks in fwd_sweep:
+            for blocks in fwd_sweep if "splash" in peers else ():
                 if splash_legal(case, blocks) is None:
                     run_one(results, generation, case, "fwd", splash_label(blocks),
                             lambda blocks=blocks: splash(generation, case, False, blocks))
-            run_one(results, generation, case, "fwd", tokamax_label(generation, case, False),
-                    lambda: tokamax(generation, case, False))
-            run_one(results, generation, case, "fwd", f"jaxflash@{JAX_FLASH_BLOCK}",
-                    lambda: jax_flash(generation, case, False))
+            if "tokamax" in peers:
+                run_one(results, generation, case, "fwd", tokamax_label(generation, case, False),
+                        lambda: tokamax(generation, case, False))
+            if "jaxflash" in peers:
+                run_one(results, generation, case, "fwd", f"jaxflash@{JAX_FLASH_BLOCK}",
+                        lambda: jax_flash(generation, case, False))
             if skip_train:
                 continue
             run_one(results, generation, case, "train", "ours", lambda: ours(generation, case, True))
             best, _ = best_of(results[(generation, case.key, "fwd")], "splash@")
-            if best is not None:
+            if best is not None and "splash" in peers:
                 fwd_blocks = tuple(int(v) for v in best.split("@")[1].split(","))
                 for bwd in bwd_sweep:
                     if splash_legal(case, bwd[1]) is None:
                         run_one(results, generation, case, "train", splash_label(fwd_blocks, bwd),
                                 lambda bwd=bwd: splash(generation, case, True, fwd_blocks, bwd))
-            run_one(results, generation, case, "train", tokamax_label(generation, case, True),
-                    lambda: tokamax(generation, case, True))
+            if "tokamax" in peers and "tokamax-train" not in skip:
+                run_one(results, generation, case, "train", tokamax_label(generation, case, True),
+                        lambda: tokamax(generation, case, True))
 
 
 # ---------------------------------------------------------------------------
@@ -632,8 +640,13 @@ def main(argv=None):
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--generations", nargs="+", default=["v6e", "tpu7x", "v5e"])
     parser.add_argument("--cases", nargs="+", default=[c.key for c in CASES], choices=[c.key for c in CASES])
-    parser.add_argument("--quick", action="store_true", help="a smaller splash sweep (3 forward, 2 backward configs)")
+    parser.add_argument("--quick", action="store_true", help="a smaller splash sweep (3 forward, 2 backward configs: "
+                        "the ones that won on v6e)")
     parser.add_argument("--skip-train", action="store_true", help="forward only")
+    parser.add_argument("--peers", nargs="+", default=["splash", "tokamax", "jaxflash"],
+                        choices=["splash", "tokamax", "jaxflash"])
+    parser.add_argument("--skip-tokamax-train", action="store_true",
+                        help="tokamax forward only (its 128-block default's backward compiles for minutes)")
     parser.add_argument("--from-logs", nargs="+", default=None,
                         help="build the tables from the progress lines of earlier runs instead of estimating")
     args = parser.parse_args(argv)
@@ -652,7 +665,8 @@ def main(argv=None):
         flags.FLAGS(sys.argv[:1], known_only=True)  # tokamax reads absl flags
         tpu_estimator.chip_device(tpu_estimator.CHIPS[args.generations[0]])  # dump flag before libtpu loads
         results = {}
-        run(args.generations, cases, args.quick, args.skip_train, results)
+        run(args.generations, cases, args.quick, args.skip_train, results, args.peers,
+            ("tokamax-train",) if args.skip_tokamax_train else ())
         command = "python bench/bench_attention_tpu.py " + " ".join(sys.argv[1:] if argv is None else argv)
     write(results, args.generations, cases, args.out, command)
 
