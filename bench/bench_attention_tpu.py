@@ -108,13 +108,13 @@ CASE_BY_KEY = {c.key: c for c in CASES}
 # Splash forward sweep: (block_q, block_kv, block_kv_compute).
 SPLASH_FORWARD = [(512, 512, 512), (1024, 1024, 512), (1024, 1024, 1024), (2048, 1024, 512), (1024, 2048, 512),
                   (2048, 2048, 512), (2048, 2048, 1024)]
-SPLASH_FORWARD_QUICK = [(1024, 1024, 512), (1024, 2048, 512), (2048, 2048, 512)]
+SPLASH_FORWARD_QUICK = [(512, 512, 512), (1024, 1024, 512), (2048, 2048, 512)]
 # Splash backward sweep: "fused" (one dk/dv/dq kernel) or "dq" (separate dq
 # kernel, its blocks = the dk/dv kernel's), with (block_q_dkv, block_kv_dkv,
 # block_kv_dkv_compute).
 SPLASH_BACKWARD = [("dq", (512, 512, 512)), ("fused", (512, 512, 512)), ("fused", (1024, 1024, 512)),
                    ("fused", (2048, 2048, 512))]
-SPLASH_BACKWARD_QUICK = [("fused", (1024, 1024, 512)), ("fused", (2048, 2048, 512))]
+SPLASH_BACKWARD_QUICK = [("fused", (512, 512, 512)), ("fused", (2048, 2048, 512))]
 JAX_FLASH_BLOCK = 512
 TOKAMAX_CHIP_FOLDER = {"v5e": "tpu_v5_lite", "v6e": "tpu_v6_lite", "tpu7x": "tpu7x"}
 
