@@ -605,7 +605,12 @@ def write(results, generations, cases, out_dir, command):
         "bf16, f32 accumulation. Next to each chip: the estimator's error on measured attention timings of that "
         "chip (`tpu_calibration.md`: median estimate / measured of tokamax's splash-based flash attention, and the "
         "share within 25%; below 1: the estimator reads low). v5e has no measured attention table: its figure is "
-        "unchecked for attention.\n\n"
+        "unchecked for attention. Those calibration figures predate the estimator fix these tables were made "
+        "with (a kernel body's `program_id` under `jax.vmap` now skips the vmapped grid axes, as Mosaic lowers "
+        "it): in tokamax's causal entries only the split between masked and unmasked blocks changes (it runs a "
+        "compacted grid), so those entries will read somewhat lower once `tpu_calibration.md` is regenerated. "
+        "For JAX's splash (vmapped over KV heads here) the fix decided which blocks compute: splash estimates "
+        "made before it (issue 20's table, 2355 us for Llama-3 8k at 1024 blocks on v6e) are void.\n\n"
         "**ours / best peer: < 1 means ours is faster** (0.80: ours takes 80% of the best peer's time). "
         "ours / roofline: how far ours is from max(MXU-bound, HBM-bound) of the visible work (forward + backward: "
         "3.5x the forward's MXU work, 3x its bytes). Peers at their best: splash swept over (block_q, block_kv, "
@@ -616,7 +621,10 @@ def write(results, generations, cases, out_dir, command):
         "wheel's measured table for the exact shape and chip ('tuned'; the wheel has tpu7x tables only, and they "
         "hold none of these shapes: Llama-3 heads only at batch 32 x 4096) else its heuristic default "
         "(128-wide blocks, 'default'): what a tokamax user gets without autotuning. JAX flash: 512 blocks, "
-        "forward only. Decode: no peer here runs a one-row query against a partly filled static cache (ragged "
+        "forward only. A splash cell reading 'best of 3' comes from the `--quick` sweep (forward "
+        + ", ".join(map(str, SPLASH_FORWARD_QUICK)) + "; backward " + ", ".join(f"{k} {b}" for k, b in
+                                                                               SPLASH_BACKWARD_QUICK)
+        + "), run where time was short. Decode: no peer here runs a one-row query against a partly filled static cache (ragged "
         "paged attention is compared in its own file)."
         f"\n\nCommand: `{command}`; tables rebuilt from the logs with `--from-logs`." + missing_note)
     sections = [("Estimated times, forward", fwd_rows),
