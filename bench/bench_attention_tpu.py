@@ -114,7 +114,7 @@ SPLASH_FORWARD_QUICK = [(512, 512, 512), (1024, 1024, 512), (2048, 2048, 512)]
 # block_kv_dkv_compute).
 SPLASH_BACKWARD = [("dq", (512, 512, 512)), ("fused", (512, 512, 512)), ("fused", (1024, 1024, 512)),
                    ("fused", (2048, 2048, 512))]
-SPLASH_BACKWARD_QUICK = [("fused", (512, 512, 512)), ("fused", (2048, 2048, 512))]
+SPLASH_BACKWARD_QUICK = [("dq", (512, 512, 512)), ("fused", (2048, 2048, 512))]
 JAX_FLASH_BLOCK = 512
 TOKAMAX_CHIP_FOLDER = {"v5e": "tpu_v5_lite", "v6e": "tpu_v6_lite", "tpu7x": "tpu7x"}
 
