@@ -624,7 +624,9 @@ def write(results, generations, cases, out_dir, command):
         "forward only. A splash cell reading 'best of 3' comes from the `--quick` sweep (forward "
         + ", ".join(map(str, SPLASH_FORWARD_QUICK)) + "; backward " + ", ".join(f"{k} {b}" for k, b in
                                                                                SPLASH_BACKWARD_QUICK)
-        + "), run where time was short. Decode: no peer here runs a one-row query against a partly filled static cache (ragged "
+        + "), run where time was short. Where the tokamax column reads 'not estimated', that chip's run "
+        "left tokamax out (`--peers splash jaxflash`, for time): on v6e its default ran 5-22x slower than ours. "
+        "Decode: no peer here runs a one-row query against a partly filled static cache (ragged "
         "paged attention is compared in its own file)."
         f"\n\nCommand: `{command}`; tables rebuilt from the logs with `--from-logs`." + missing_note)
     sections = [("Estimated times, forward", fwd_rows),
