@@ -516,7 +516,9 @@ def _config_of(name: str) -> str:
     return name.split("@", 1)[1] if "@" in name else ""
 
 
-def _reason(cell: dict, prefix: str) -> str:
+def _reason(cell: dict, prefix: str, case: Case | None = None) -> str:
+    if case is not None and not case.prefill:
+        return "no decode: " + ("blocks must divide the 1-row query" if prefix == "splash@" else "128-row blocks")
     reasons = {v.split(": ", 1)[1] if ": " in v else v for n, v in cell.items()
                if n.startswith(prefix) and isinstance(v, str)}
     return "; ".join(sorted(reasons)) if reasons else "not estimated"
@@ -548,13 +550,14 @@ def table_rows(results, generations, cases, mode, calib):
                    "ours / roofline": f"{ours_s / roofline:.2f}"}
             row["best splash us (blocks)"] = (f"{_fmt_us(splash_s)} ({_config_of(splash_name)}; best of {swept - refused}"
                                               f"{f', {refused} refused' if refused else ''})" if splash_s
-                                              else f"- ({_reason(cell, 'splash@')})")
+                                              else f"- ({_reason(cell, 'splash@', case)})")
             tk_any = next((n for n in cell if n.startswith("tokamax-")), None)
             if tk_s:
                 source = tk_name.split("@")[0].removeprefix("tokamax-").replace("_", " ")
                 row["tokamax us (config)"] = f"{_fmt_us(tk_s)} ({source}: {_config_of(tk_name)})"
             else:
-                row["tokamax us (config)"] = f"- ({_reason(cell, 'tokamax-') if tk_any else 'not estimated'})"
+                row["tokamax us (config)"] = (f"- ({_reason(cell, 'tokamax-', case)})" if tk_any or not case.prefill
+                                          else "- (not estimated)")
             if not train:
                 row["jax flash us (512)"] = _fmt_us(jf_s) if jf_s else "-"
             row["best peer"] = best.split("@")[0].replace("-default", "").replace("-tuned", "") if best else "-"
