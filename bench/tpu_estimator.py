@@ -588,6 +588,13 @@ class GridReplay:
         return int(np.prod(self.grid))
 
 
+def user_grid_axes(grid_mapping, rank: int) -> list[int]:
+    """The grid axes a kernel body's ``program_id`` counts: all but those a
+    ``jax.vmap`` of the pallas_call added in front of the user's."""
+    vmapped = set(getattr(grid_mapping, "vmapped_dims", ()) or ())
+    return [a for a in range(rank) if a not in vmapped]
+
+
 def replay(call: KernelCall, known_refs: dict[int, np.ndarray] | None = None) -> GridReplay:
     """``known_refs``: contents of some of the kernel body's refs (by position
     in its arguments: inputs, outputs, scratch) that the replay cannot derive,
@@ -629,7 +636,13 @@ def replay(call: KernelCall, known_refs: dict[int, np.ndarray] | None = None) ->
         refs[i] = np.asarray(value)
     conds: list[CondRecord] = []
     trace = KernelTrace(wait_ids=static_waits(kernel), skip_empty=bool(known_refs))
-    interpret(kernel, refs, grid_index=grid_index, grid=grid, steps=steps, conds=conds, trace=trace)
+    # The body's program_id(a) / num_programs(a) count the user's grid axes
+    # only: the axes a jax.vmap of the pallas_call added (vmapped_dims) are
+    # skipped, as Mosaic lowers them (its user_grid_indices). The index maps
+    # above take every axis.
+    user = user_grid_axes(gm, len(grid))
+    interpret(kernel, refs, grid_index=[grid_index[a] for a in user], grid=[grid[a] for a in user], steps=steps,
+              conds=conds, trace=trace)
     taken = [np.isin(c.branch, b) for c in conds for b in c.dot_branches]
     buffers = [getattr(bm.pipeline_mode, "buffer_count", None) or 2 for bm in gm.block_mappings]
     # memory_space=ANY or HBM: the operand stays in HBM, the kernel copies what it needs itself

@@ -158,6 +158,35 @@ def test_replay_of_gmm_matches_its_visit_plan():
     assert rp.block_bytes == [t.tm * t.tk * 2, t.tn * t.tk * 2, t.tm * t.tn * 2]
 
 
+def test_replay_under_vmap_reads_program_id_on_the_users_axes():
+    """A jax.vmap of a pallas_call adds a grid axis in front; the body's
+    program_id(0) still means the user's first axis (Mosaic skips the
+    vmapped ones), so the matmul runs where that axis is 1, per batch."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jnp.zeros_like(o_ref)
+
+        @pl.when(pl.program_id(0) == 1)
+        def _():
+            o_ref[...] = jnp.dot(x_ref[...], x_ref[...], preferred_element_type=jnp.float32)
+
+    def one(x):  # grid of 4 row blocks
+        return pl.pallas_call(kernel, grid=(4,), in_specs=[pl.BlockSpec((128, 128), lambda i: (i, 0))],
+                              out_specs=pl.BlockSpec((128, 128), lambda i: (i, 0)),
+                              out_shape=jax.ShapeDtypeStruct((512, 128), jnp.float32))(x)
+
+    [call] = tpu_estimator.kernel_calls(jax.vmap(one), [jax.ShapeDtypeStruct((3, 512, 128), jnp.float32)])
+    rp = tpu_estimator.replay(call)
+    assert rp.grid == (3, 4)
+    [taken] = rp.mxu_taken
+    batch, block = np.indices(rp.grid).reshape(2, -1)
+    assert np.array_equal(taken, block == 1)  # 3 steps; reading the batch axis would give 4
+    assert np.array_equal(rp.block_indices[0][:, 0], batch)  # the index maps still see every axis
+
+
 _COMPILE_ONE = """
 import json, sys
 sys.path.insert(0, {bench!r}); sys.path.insert(0, {dev!r})
