@@ -278,6 +278,11 @@ def sweep(chip: str, peer: str, model: str, tokens: int, matmul: str, record: Re
 
     for config in dict.fromkeys(starts):
         run(config)
+    if follow and record.best(chip, peer, model, tokens, matmul) is None:
+        # the other peer's tiles do not run here: this peer's own starts and one round
+        for config in seeds(peer, m, k, n, experts, chip):
+            run(config)
+        rounds = 1
     for _ in range(rounds):
         best = record.best(chip, peer, model, tokens, matmul)
         if best is None:
