@@ -31,5 +31,5 @@ bench:
 	$(ENV) $(PY) bench/bench_attention_tpu.py --generations v5e v6e tpu7x
 	$(ENV) $(PY) bench/calibrate_tpu_estimator.py $(if $(CALIBRATION_DATA),--data $(CALIBRATION_DATA)) --max-entries 8 \
 		--out bench/results/tpu_calibration_bounded.md
-	$(ENV) $(PY) bench/bench_tpu_estimates.py --chips v5e v6e tpu7x
+	$(ENV) $(PY) bench/bench_tpu_estimates.py --chips v5e v6e tpu7x --sweep-rounds 0
 	$(ENV) $(PY) bench/bench_expert_parallel.py

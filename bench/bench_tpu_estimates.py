@@ -11,21 +11,23 @@ calibration error in bench/results/tpu_calibration.md):
 - ours, fused: ``fused_glu_experts`` (both matmuls and the gate in one kernel);
 - tokamax 0.0.12 ``PallasMosaicTpuRaggedDot`` twice and JAX's megablox ``gmm``
   twice, each ``@best``: every matmul at the best tiles of the recorded sweep
-  of ``peer_sweep.py`` (sweeping what the record lacks).
+  of ``peer_sweep.py`` (sweeping what the record lacks);
+- tpu-inference 0.32.0's gmm at the block sizes its own code picks; on
+  request (``--contenders fused-ep-moe``) its fused_ep_moe at ep=1
+  (bench/tpu_inference_peers.py).
 
 A peer at named configs: ``tokamax@tm,tk,tn[,input buffers]`` (both matmuls)
 or ``tokamax@UP/DOWN``, ``megablox@tm,tk,tn``; ``tokamax`` / ``megablox``
 alone: the peer's own default (tokamax's heuristics, megablox's 128 x 128 x
 128). The table names the best peer of each row, its configs, and ours / it.
-On request (``--contenders tpu-inference-gmm fused-ep-moe``): tpu-inference
-0.32.0's gmm and fused_ep_moe at their own block sizes (bench/tpu_inference_peers.py).
 
 Weights are in Transformers' ``[E, out, in]`` layout for ours, ``[E, in, out]``
 for the peers (their layout): the same bytes. Writes bench/results/tpu_estimates.md
 and tpu_estimates.png.
 
     python bench/bench_tpu_estimates.py [--chips v5e v6e] [--models qwen3 ...] [--tokens 1 8 ...]
-        [--contenders ours "ours fused" tokamax@best megablox@best] [--start-from v6e]
+        [--contenders ours "ours fused" megablox@best tokamax@best tpu-inference-gmm]
+        [--sweep-rounds 0] [--from-logs LOG ...]
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ MODELS = {  # hidden, intermediate, experts, top_k, gate
     "mixtral-8x7b": (4096, 14336, 8, 2, "glu_silu"),
     "deepseek-v3": (7168, 2048, 256, 8, "glu_silu"),
 }
-CONTENDERS = ("ours", "ours fused", "megablox@best", "tokamax@best")
+CONTENDERS = ("ours", "ours fused", "megablox@best", "tokamax@best", "tpu-inference-gmm")
 RESULTS = ROOT / "bench" / "results"
 
 
