@@ -52,3 +52,31 @@ def test_idle_visits_keep_the_resident_group():
         jnp.asarray([3, 0, 2, 0, 5], jnp.int32), 1, 3, m=10, tm=8)
     seg, group = np.asarray(seg)[: int(num_visits)], np.asarray(group)[: int(num_visits)]
     assert (group == 1).all(), (seg, group)  # prefix and suffix visits read group 1, the only live one
+
+
+def _resident_groups_reference(seg, num_local):
+    """Plain loop: the nearest visit of a local group before each visit, else after it."""
+    seg = [int(s) for s in seg]
+    local = [i for i, s in enumerate(seg) if 0 < s <= num_local]
+    out = []
+    for i in range(len(seg)):
+        before = [j for j in local if j <= i]
+        after = [j for j in local if j >= i]
+        source = before[-1] if before else (after[0] if after else len(seg) - 1)
+        out.append(min(max(seg[source] - 1, 0), num_local - 1))
+    return out
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 8, 64])
+def test_resident_groups_match_a_plain_loop(tokens):
+    # routing whose local window may be empty, first, last or in the middle of the experts
+    rng = np.random.default_rng(SEED)
+    for _ in range(10):
+        sizes = np.bincount(rng.integers(0, EXPERTS, tokens * TOP_K), minlength=EXPERTS) if tokens else \
+            np.zeros(EXPERTS, int)
+        num_local = int(rng.choice([8, 16, 32]))
+        offset = int(rng.integers(0, EXPERTS // num_local)) * num_local
+        m = max(tokens * TOP_K, 8)
+        seg, *_ = pallas_gmm.forward_visits(jnp.asarray(sizes, jnp.int32), offset, num_local, m=m, tm=16)
+        got = np.asarray(pallas_gmm.resident_groups(seg, num_local))
+        assert got.tolist() == _resident_groups_reference(np.asarray(seg), num_local)

@@ -98,9 +98,14 @@ def resident_groups(seg, num_local: int):
     n = seg.shape[0]
     idx = jnp.arange(n, dtype=jnp.int32)
     is_local = (seg > 0) & (seg <= num_local)
-    before = lax.cummax(jnp.where(is_local, idx, -1), axis=0)
-    after = lax.cummin(jnp.where(is_local, idx, n), axis=0, reverse=True)
-    source = jnp.where(before >= 0, before, jnp.minimum(after, n - 1))
+    # Visits come in segment order (prefix, local groups, suffix, then the
+    # sentinels), so the local ones are one contiguous run [first, last]: the
+    # nearest local visit before a visit, else after it, is its index clipped
+    # to the run. Two reductions; a cummax / cummin lowers to a reduce-window
+    # that cost about 2.5 us per call at decode on v6e (estimated).
+    first = jnp.argmax(is_local).astype(jnp.int32)
+    last = (n - 1 - jnp.argmax(is_local[::-1])).astype(jnp.int32)
+    source = jnp.where(jnp.any(is_local), jnp.clip(idx, first, last), n - 1)
     return jnp.clip(seg[source] - 1, 0, num_local - 1).astype(jnp.int32)
 
 
