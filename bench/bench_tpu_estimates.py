@@ -229,7 +229,7 @@ def config_text(resolved: str) -> str:
     """``tokamax@512,2048,768,2/256,2048,1024,3`` -> ``up (512, 2048, 768) x2, down (256, 2048, 1024) x3``."""
     up, down = peer_configs(resolved)
     if up is None:
-        return "its default"
+        return "at its own tiles (notes)" if peer_name(resolved) not in peer_sweep.PEERS else "at its default"
 
     def one(c):
         return f"({c[0]}, {c[1]}, {c[2]})" + (f" x{c[3]}" if len(c) == 4 else "")
@@ -355,7 +355,9 @@ def main(argv=None):
 def command_line(args) -> str:
     return ("python bench/bench_tpu_estimates.py --chips " + " ".join(args.chips)
             + " --models " + " ".join(args.models) + " --tokens " + " ".join(map(str, args.tokens))
-            + " --contenders " + " ".join(f'"{c}"' if " " in c else c for c in args.contenders))
+            + " --contenders " + " ".join(f'"{c}"' if " " in c else c for c in args.contenders)
+            + (" --sweep-rounds 0" if not args.from_logs else " --from-logs " + " ".join(
+                str(pathlib.Path(p).resolve().relative_to(ROOT)) for p in args.from_logs)))
 
 
 def _plot(rows, path, contenders):
