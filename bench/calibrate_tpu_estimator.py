@@ -158,6 +158,11 @@ class PipelineRecorder:
         self.specs = []
 
     def __enter__(self):
+        import jax
+
+        # A kernel traced earlier in the process (under another recorder) would be
+        # reused from jax's caches and never reach this recorder's wrapper.
+        jax.clear_caches()
         original, specs = self.original, self.specs
 
         def recording(kernel, out_shape, grid_spec, compiler_params, input_buffer_count=None, **kw):
