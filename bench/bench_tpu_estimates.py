@@ -344,7 +344,8 @@ def main(argv=None):
         "better of the two (< 1: ours is faster). Peers `@best`: each matmul (up, down) at the best tiles of a "
         "recorded sweep (`bench/peer_sweep.py`: tokamax's own autotuning space walked from MaxText's default, "
         "tokamax's tuned table for the same weight shape and our rule's tiles; every config tried is in "
-        "`peer_sweep.jsonl`); the best peer column names its configs (tm, tk, tn) and tokamax's input buffers "
+        "`peer_sweep.jsonl`; in this run the walk ran on v6e only: tpu7x's peers took v6e's best and their starts, "
+        "v5e's their starts only, so the v5e ratios flatter us most); the best peer column names its configs (tm, tk, tn) and tokamax's input buffers "
         "(xN). Roofline: max(MXU-bound, HBM-bound: rows in, the weights of the experts that have rows, rows "
         f"out). Neither tokamax nor megablox takes fewer than 128 rows (decode).\n\n    {command_line(args)}\n\n"
         + tpu_inference_peers.table_note(args.contenders) + "\n\n".join(sections) + "\n")
