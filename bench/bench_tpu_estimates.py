@@ -44,7 +44,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import peer_sweep  # noqa: E402
 import tpu_estimator  # noqa: E402  (sets libtpu's dump folder before jax loads libtpu)
 import tpu_inference_peers  # noqa: E402  (tpu-inference 0.32.0's gmm and fused_ep_moe)
-from calibrate_tpu_estimator import PipelineRecorder  # noqa: E402
 from common import ROOT, calibration_summary, markdown, use_shipped_packages  # noqa: E402
 
 MODELS = {  # hidden, intermediate, experts, top_k, gate
@@ -170,11 +169,7 @@ def estimate_one(chip, model, tokens, name, rng_seed=0):
     x = jax.ShapeDtypeStruct((tokens * top_k, hidden), jnp.bfloat16)
     up, down = weight_specs(name, hidden, inter, experts)
     fn = contender_fn(name, gate, chip)
-    if peer_name(name) == "tokamax":
-        with PipelineRecorder() as recorder:
-            return tpu_estimator.estimate(fn, [x, up, down, gs], chip, flops=flops, min_bytes=min_bytes,
-                                          replay_for=recorder.replay_for())
-    return tpu_estimator.estimate(fn, [x, up, down, gs], chip, flops=flops, min_bytes=min_bytes)
+    return peer_sweep.estimate_peer(peer_name(name), fn, [x, up, down, gs], chip, flops=flops, min_bytes=min_bytes)
 
 
 def resolve(chip, model, tokens, name, record, start_from=None, max_rounds=None):

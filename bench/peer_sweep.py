@@ -204,14 +204,25 @@ def peer_matmul(peer: str, config: tuple[int, ...]):
     return lambda x, w, gs: gmm(x, w, gs, preferred_element_type=jnp.float32, tiling=config[:3])
 
 
+def estimate_peer(peer: str, fn, args, chip: str, **kw):
+    """``tpu_estimator.estimate`` of a peer's program; tokamax runs its grid
+    inside a gridless kernel, so its grid is replayed from what it recorded."""
+    import tpu_estimator
+
+    if peer != "tokamax":
+        return tpu_estimator.estimate(fn, args, chip, **kw)
+    from calibrate_tpu_estimator import PipelineRecorder
+
+    with PipelineRecorder() as recorder:
+        return tpu_estimator.estimate(fn, args, chip, replay_for=recorder.replay_for(), **kw)
+
+
 def estimate_matmul(chip: str, peer: str, model: str, tokens: int, matmul: str, config) -> float | str:
     """Estimated microseconds of one matmul, or why it cannot run."""
     import jax
     import jax.numpy as jnp
 
-    import tpu_estimator
     from bench_tpu_estimates import problem_size
-    from calibrate_tpu_estimator import PipelineRecorder
 
     m, k, n, experts = matmul_shape(model, tokens, matmul)
     gs, _, _ = problem_size(model, tokens)
@@ -220,13 +231,7 @@ def estimate_matmul(chip: str, peer: str, model: str, tokens: int, matmul: str, 
     used = int((gs > 0).sum())
     min_bytes = 2.0 * (m * k + used * k * n) + 4.0 * m * n
     try:
-        fn = peer_matmul(peer, config)
-        if peer == "tokamax":
-            with PipelineRecorder() as recorder:
-                est = tpu_estimator.estimate(fn, args, chip, flops=flops, min_bytes=min_bytes,
-                                             replay_for=recorder.replay_for())
-        else:
-            est = tpu_estimator.estimate(fn, args, chip, flops=flops, min_bytes=min_bytes)
+        est = estimate_peer(peer, peer_matmul(peer, config), args, chip, flops=flops, min_bytes=min_bytes)
     except Exception as exc:  # noqa: BLE001 -- a config the peer or the compiler refuses is recorded
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
     if not all(kern.regions_matched for kern in est.kernels):
