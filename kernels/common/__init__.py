@@ -17,6 +17,8 @@ with ``from ..common import ...``. Modules:
 * ``transformers_interface``: registering one of our functions in a
   Transformers interface, with one set of refusal rules;
 * ``validation``: the argument-error helpers;
+* ``quant_formats``: the quantized expert-weight formats (int8, fp8, mxfp4):
+  layouts, scale blocks, bytes;
 * ``aot`` (development only, not shipped): ahead-of-time compiles for a TPU
   generation through libtpu, used by the tests and benchmarks.
 """
