@@ -56,9 +56,24 @@ CONTENDERS = ("ours", "ours fused", "megablox@best", "tokamax@best", "tpu-infere
 RESULTS = ROOT / "bench" / "results"
 
 
-def routing_group_sizes(tokens, experts, top_k, rng) -> np.ndarray:
-    """Group sizes of a random top-k routing (k distinct experts per token)."""
-    picks = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k]
+ROUTINGS = ("uniform", "skewed")
+# Skewed routing: expert e (in a random order) is picked with a weight
+# (rank + 1) ** -SKEW, so a few experts are hot and the tail cold or empty
+# (Qwen3-30B-A3B at 512 tokens: the hottest expert takes 510 of the 512
+# tokens, 61 of 128 experts get under a quarter of the mean, 3 none).
+SKEW = 1.5
+
+
+def routing_group_sizes(tokens, experts, top_k, rng, routing="uniform") -> np.ndarray:
+    """Group sizes of a random top-k routing (k distinct experts per token):
+    every expert equally likely ("uniform") or the "skewed" weights above
+    (sampled without replacement: the top k of log-weight + Gumbel noise)."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    scores = rng.random((tokens, experts))  # uniform: the k smallest of uniform noise
+    if routing == "skewed":
+        scores = SKEW * np.log1p(rng.permutation(experts)) + np.log(-np.log(scores))
+    picks = np.argsort(scores, axis=1)[:, :top_k]
     return np.bincount(picks.reshape(-1), minlength=experts).astype(np.int32)
 
 
@@ -86,13 +101,13 @@ def contender_fn(name, gate, generation):
                 raise ValueError("one expert does not fit VMEM: the rule runs two matmuls")
             return pallas_fused_experts.fused_glu_experts(x, up, down, gs, gate=gate, out_dtype=jnp.float32,
                                                           tm=tm, generation=generation)
-    elif peer_name(name) in peer_sweep.PEERS:
+    elif peer_name(name) in (*peer_sweep.PEERS, peer_sweep.OURS):
         up_config, down_config = peer_configs(name)
         if up_config is None:  # the peer's own default: tokamax's heuristics, megablox's 128 x 128 x 128
             up_matmul = down_matmul = default_peer_matmul(peer_name(name))
         else:
-            up_matmul = peer_sweep.peer_matmul(peer_name(name), up_config)
-            down_matmul = peer_sweep.peer_matmul(peer_name(name), down_config)
+            up_matmul = peer_sweep.peer_matmul(peer_name(name), up_config, generation)
+            down_matmul = peer_sweep.peer_matmul(peer_name(name), down_config, generation)
 
         def fn(x, up, down, gs):
             return down_matmul(act(up_matmul(x, up, gs)), down, gs)
@@ -145,11 +160,11 @@ def weight_specs(name, hidden, inter, experts):
             jax.ShapeDtypeStruct((experts, inter, hidden), bf16))
 
 
-def problem_size(model, tokens, rng_seed=0):
+def problem_size(model, tokens, rng_seed=0, routing="uniform"):
     """Group sizes, flops, and the bytes the layer must move at least: the
     rows in (bf16), the weights of every expert with rows, the rows out (f32)."""
     hidden, inter, experts, top_k, _ = MODELS[model]
-    gs = routing_group_sizes(tokens, experts, top_k, np.random.default_rng(rng_seed))
+    gs = routing_group_sizes(tokens, experts, top_k, np.random.default_rng(rng_seed), routing)
     rows = tokens * top_k
     flops = 2.0 * rows * hidden * 3 * inter
     used = int((gs > 0).sum())
@@ -157,12 +172,12 @@ def problem_size(model, tokens, rng_seed=0):
     return gs, flops, min_bytes
 
 
-def estimate_one(chip, model, tokens, name, rng_seed=0):
+def estimate_one(chip, model, tokens, name, rng_seed=0, routing="uniform"):
     import jax
     import jax.numpy as jnp
 
     hidden, inter, experts, top_k, gate = MODELS[model]
-    gs, flops, min_bytes = problem_size(model, tokens, rng_seed)
+    gs, flops, min_bytes = problem_size(model, tokens, rng_seed, routing)
     if name == "fused-ep-moe":  # its own inputs: hidden states and router logits
         return tpu_inference_peers.estimate_fused(chip, tokens, hidden, inter, experts, top_k, rng_seed,
                                                   flops=flops, min_bytes=min_bytes)
@@ -232,9 +247,9 @@ def config_text(resolved: str) -> str:
     return one(up) if up == down else f"up {one(up)}, down {one(down)}"
 
 
-def table_row(chip, model, tokens, results, contenders, configs):
+def table_row(chip, model, tokens, results, contenders, configs, routing="uniform"):
     chip_ = tpu_estimator.CHIPS[chip]
-    _, flops, min_bytes = problem_size(model, tokens)
+    _, flops, min_bytes = problem_size(model, tokens, routing=routing)
     mxu, hbm = flops / chip_.bf16_flops_per_s, min_bytes / chip_.hbm_bytes_per_s
     roofline = max(mxu, hbm)
     times = {n: v for n, v in results.items() if isinstance(v, float)}
@@ -279,7 +294,7 @@ def run_estimates(args) -> tuple[dict, dict]:
                         configs.setdefault((chip, model, tokens), {})[name] = resolved
                     shown = f" config {resolved}" if resolved != name else ""
                     try:
-                        est = estimate_one(chip, model, tokens, resolved)
+                        est = estimate_one(chip, model, tokens, resolved, routing=args.routing)
                     except Exception as exc:  # noqa: BLE001 -- a contender that cannot run a shape is reported
                         cell[name] = f"{type(exc).__name__}: {exc}"
                         print(f"[{chip}] {model} {tokens} {name}: {cell[name].splitlines()[0]}{shown}",
@@ -307,10 +322,14 @@ def main(argv=None):
                     help="peer sweeps (@best) start from this chip's recorded best and walk one round")
     ap.add_argument("--sweep-rounds", type=int, default=None,
                     help="rounds of the walk for a shape the sweep record lacks (0: its starts only)")
-    ap.add_argument("--out", default=str(RESULTS / "tpu_estimates.md"))
+    ap.add_argument("--routing", choices=ROUTINGS, default="uniform",
+                    help="group sizes of the routing; skewed: peers keep their best configs for uniform routing")
+    ap.add_argument("--out", default=None, help="default: results/tpu_estimates.md (tpu_estimates_skewed.md)")
     ap.add_argument("--from-logs", nargs="+", default=None,
                     help="build the tables from the progress output of earlier runs instead of estimating")
     args = ap.parse_args(argv)
+    suffix = "" if args.routing == "uniform" else f"_{args.routing}"
+    args.out = args.out or str(RESULTS / f"tpu_estimates{suffix}.md")
     results, configs = parse_logs(args.from_logs) if args.from_logs else run_estimates(args)
     sections, plot_rows = [], []
     for chip in args.chips:
@@ -320,7 +339,7 @@ def main(argv=None):
         rows = []
         for _, model, tokens in sorted(keys, key=lambda k: (list(MODELS).index(k[1]), k[2])):
             row, times, roofline = table_row(chip, model, tokens, results[(chip, model, tokens)], args.contenders,
-                                             configs.get((chip, model, tokens), {}))
+                                             configs.get((chip, model, tokens), {}), args.routing)
             rows.append(row)
             plot_rows.append((chip, model, tokens, times, roofline))
         missing = [f"{m} {t}" for m in args.models for t in args.tokens if (chip, m, t) not in results]
@@ -335,7 +354,7 @@ def main(argv=None):
         "compiler's static schedule (`bench/tpu_estimator.py`), not measurements on a TPU; each chip's section "
         "states the estimator's error against measured timings (`tpu_calibration.md`). One experts layer's two "
         "matmuls and the gate on rows sorted by expert, bf16 inputs, f32 outputs, group sizes from a random "
-        "top-k routing (seed 0). 'ours' = two gmm calls, 'ours fused' = one kernel; 'ours / best peer' uses the "
+        f"top-k routing (seed 0), {ROUTING_TEXT[args.routing]}. 'ours' = two gmm calls, 'ours fused' = one kernel; 'ours / best peer' uses the "
         "better of the two (< 1: ours is faster). Peers `@best`: each matmul (up, down) at the best tiles of a "
         "recorded sweep (`bench/peer_sweep.py`: tokamax's own autotuning space walked from MaxText's default, "
         "tokamax's tuned table for the same weight shape and our rule's tiles; every config tried is in "
@@ -348,8 +367,16 @@ def main(argv=None):
     print(f"wrote {out}")
 
 
+ROUTING_TEXT = {
+    "uniform": "every expert equally likely",
+    "skewed": (f"skewed (expert weights (rank + 1) ** -{SKEW}: a few hot experts, a cold or empty tail; the peers "
+               "run their best configs for the uniform routing of the same shape, not re-swept)"),
+}
+
+
 def command_line(args) -> str:
     return ("python bench/bench_tpu_estimates.py --chips " + " ".join(args.chips)
+            + ("" if args.routing == "uniform" else f" --routing {args.routing}")
             + " --models " + " ".join(args.models) + " --tokens " + " ".join(map(str, args.tokens))
             + " --contenders " + " ".join(f'"{c}"' if " " in c else c for c in args.contenders)
             + (" --sweep-rounds 0" if not args.from_logs else " --from-logs " + " ".join(

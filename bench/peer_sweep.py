@@ -40,6 +40,9 @@ from common import ROOT  # noqa: E402
 
 RECORD = ROOT / "bench" / "results" / "peer_sweep.jsonl"
 PEERS = ("tokamax", "megablox")
+# Our own grouped matmul walks the same space (no buffer axis): the tile rule
+# of gmm/tiling.py is checked against its best (issue 22).
+OURS = "ours"
 MATMULS = ("up", "down")
 MAX_ROUNDS = 3
 MAXTEXT_MEGABLOX = (512, 1024, 1024)
@@ -64,8 +67,8 @@ def axis_values(dim: int) -> list[int]:
 
 
 def row_values(m: int, peer: str) -> list[int]:
-    lowest = 64 if peer == "tokamax" else 128
-    return [v for v in (lowest * 2 ** i for i in range(8)) if v <= min(m, 1024) and (peer == "tokamax" or m % v == 0)]
+    lowest = 128 if peer == "megablox" else 64
+    return [v for v in (lowest * 2 ** i for i in range(8)) if v <= min(m, 1024) and (peer != "megablox" or m % v == 0)]
 
 
 def search_space(peer: str, m: int, k: int, n: int) -> tuple[list[int], ...]:
@@ -124,6 +127,8 @@ def seeds(peer: str, m: int, k: int, n: int, groups: int, generation: str) -> li
     starts = [MAXTEXT_MEGABLOX, ours] + [s[:3] for s in tuned_table_seeds(k, n)]
     if peer == "tokamax":
         starts = [s + (2,) for s in starts[:2]] + tuned_table_seeds(k, n)
+    elif peer == OURS:  # the rule first: the walk then shows how far its best is from it
+        starts = [ours] + starts
     space = search_space(peer, m, k, n)
     return list(dict.fromkeys(clip(s, space) for s in starts))
 
@@ -188,9 +193,18 @@ def matmul_shape(model: str, tokens: int, matmul: str):
     return (m, hidden, 2 * inter, experts) if matmul == "up" else (m, inter, hidden, experts)
 
 
-def peer_matmul(peer: str, config: tuple[int, ...]):
-    """``fn(x, w, group_sizes)``: one grouped matmul of the peer at ``config``, f32 out."""
+def peer_matmul(peer: str, config: tuple[int, ...], generation: str | None = None):
+    """``fn(x, w, group_sizes)``: one grouped matmul of the peer at ``config``,
+    f32 out (ours takes ``w`` as ``[E, N, K]``, Transformers' layout, and is
+    compiled for ``generation``: its row chunk and VMEM limit follow the chip;
+    the peers take ``[E, K, N]``)."""
     import jax.numpy as jnp
+
+    if peer == OURS:
+        from moe_experts_tpu.gmm import pallas_gmm
+
+        return lambda x, w, gs: pallas_gmm.gmm(x, w, gs, rhs_layout="nk", out_dtype=jnp.float32,
+                                               tiling=config[:3], generation=generation)
 
     if peer == "tokamax":
         from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu as tk
@@ -226,12 +240,13 @@ def estimate_matmul(chip: str, peer: str, model: str, tokens: int, matmul: str, 
 
     m, k, n, experts = matmul_shape(model, tokens, matmul)
     gs, _, _ = problem_size(model, tokens)
-    args = [jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((experts, k, n), jnp.bfloat16), gs]
+    weight = (experts, n, k) if peer == OURS else (experts, k, n)
+    args = [jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct(weight, jnp.bfloat16), gs]
     flops = 2.0 * m * k * n
     used = int((gs > 0).sum())
     min_bytes = 2.0 * (m * k + used * k * n) + 4.0 * m * n
     try:
-        est = estimate_peer(peer, peer_matmul(peer, config), args, chip, flops=flops, min_bytes=min_bytes)
+        est = estimate_peer(peer, peer_matmul(peer, config, chip), args, chip, flops=flops, min_bytes=min_bytes)
     except Exception as exc:  # noqa: BLE001 -- a config the peer or the compiler refuses is recorded
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
     if not all(kern.regions_matched for kern in est.kernels):
@@ -332,7 +347,7 @@ def main(argv=None):
     ap.add_argument("--chips", nargs="+", default=["v6e"])
     ap.add_argument("--models", nargs="+", default=[m for m in MODELS if m != "deepseek-v3"])
     ap.add_argument("--tokens", nargs="+", type=int, default=[64, 512, 4096])
-    ap.add_argument("--peers", nargs="+", default=list(PEERS))
+    ap.add_argument("--peers", nargs="+", default=list(PEERS), help=f"peers to sweep, or {OURS!r} (our kernel)")
     ap.add_argument("--start-from", default=None,
                     help="a chip already swept: its best joins the starts and the walk takes one round")
     ap.add_argument("--follow", default=None,

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import ast
 import base64
+import fcntl
 import hashlib
 import json
 import os
@@ -739,15 +740,19 @@ def dev(out: Path, names: list[str] | None = None) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     (out / DEV_MARKER).write_text(f"Packages assembled by {BUILDER_PATH} dev; rewritten on every run.\n")
     written = {}
-    for m in load_manifests(names):
-        files, _, _ = assemble_package(m, with_dev=True)
-        dest = out / m.package
-        if dest.exists():
-            shutil.rmtree(dest)
-        for rel, content in files.items():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            (dest / rel).write_bytes(content)
-        written[m.package] = dest
+    # Tests and benchmarks run side by side: one process rewrites the tree at a
+    # time (two removing and copying it at once fail with "Directory not empty").
+    with open(out / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for m in load_manifests(names):
+            files, _, _ = assemble_package(m, with_dev=True)
+            dest = out / m.package
+            if dest.exists():
+                shutil.rmtree(dest)
+            for rel, content in files.items():
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                (dest / rel).write_bytes(content)
+            written[m.package] = dest
     return written
 
 

@@ -240,4 +240,27 @@ def test_row_tile_rule(generation):
                            (8192, 8, 512),  # 1024 rows per group: capped
                            (8, 128, 16)]:  # fewer rows than a sublane tile
         assert tiling.row_tile(m, g, 2, generation) == expected, (generation, m, g)
+        # The forward kernels' tile where they have their own caps: 512 rows, within M.
+        forward = 512 if generation in tiling.FORWARD_TILE_CAPS else expected
+        assert tiling.row_tile(m, g, 2, generation, row_chunks=True) == min(forward, max(m, 16)), (generation, m, g)
     assert tiling.TILE_CAPS["v5e"].tm_min == tiling.TILE_CAPS["v6e"].tm_min == 128
+
+
+@pytest.mark.parametrize("generation", ["v4", "v5e", "v6e", "tpu7x"])
+def test_forward_tiles_differ_from_weight_grad_tiles_only_where_estimated_faster(generation):
+    """gpt-oss-20b's up projection at 512 tokens: the forward kernel takes
+    512-row tiles and wider output tiles on v5e and v6e (FORWARD_TILE_CAPS);
+    the weight gradient, and every kernel elsewhere, keep the group-size rule."""
+    from ragged_dot_tpu.gmm import tiling
+
+    kw = dict(lhs_itemsize=2, rhs_itemsize=2, out_itemsize=4, generation=generation)
+    forward = tiling.choose_tiling(2048, 2880, 5760, 32, **kw)
+    weight_grad = tiling.choose_tiling(2048, 2880, 5760, 32, row_chunks=False, **kw)
+    caps = tiling.TILE_CAPS[generation]
+    assert weight_grad.tm == max(64, caps.tm_min, 16)
+    if generation in tiling.FORWARD_TILE_CAPS:
+        assert forward.tm == 512
+        assert forward.tn >= weight_grad.tn
+        assert tiling.working_set_bytes(forward, 2, 2, 4) <= tiling.vmem_budget(generation)
+    else:
+        assert forward == weight_grad

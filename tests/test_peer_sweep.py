@@ -23,6 +23,19 @@ def test_row_values_megablox_divides_m_tokamax_from_64():
     assert peer_sweep.row_values(1536, "megablox") == [128, 256, 512]  # 1024 does not divide 1536
     assert peer_sweep.row_values(4096, "tokamax") == [64, 128, 256, 512, 1024]
     assert peer_sweep.row_values(64, "megablox") == []  # fewer rows than its smallest tile
+    assert peer_sweep.row_values(1536, "ours") == [64, 128, 256, 512, 1024]  # any M, like tokamax
+
+
+def test_our_space_has_no_buffer_axis_and_our_walk_starts_at_the_rule():
+    """Our kernel is swept to check its tile rule: the rule's tiles are its first start."""
+    from moe_experts_tpu.gmm import tiling
+
+    assert len(peer_sweep.search_space("ours", 2048, 2880, 5760)) == 3
+    rule = tiling.choose_tiling(2048, 2880, 5760, 32, lhs_itemsize=2, rhs_itemsize=2, out_itemsize=4,
+                                generation="v6e").as_tuple()
+    starts = peer_sweep.seeds("ours", 2048, 2880, 5760, 32, "v6e")
+    assert starts[0] == peer_sweep.clip(rule, peer_sweep.search_space("ours", 2048, 2880, 5760))
+    assert peer_sweep.MAXTEXT_MEGABLOX in starts
 
 
 def test_neighbours_one_step_along_one_axis_and_clip():

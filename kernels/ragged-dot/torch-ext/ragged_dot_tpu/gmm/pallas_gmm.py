@@ -202,7 +202,7 @@ def gmm(
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     if 0 in (m, k, n):  # nothing to compute; an empty contraction sums to zero
         return jnp.zeros((m, n), out_dtype)
-    t = _resolve_tiling(tiling, m, k, n, num_local, lhs, rhs, out_dtype, generation)
+    t = _resolve_tiling(tiling, m, k, n, num_local, lhs, rhs, out_dtype, generation, row_chunks=True)
     tm, tk, tn = t.as_tuple()
     tiles_m, tiles_k, tiles_n = cdiv(m, tm), cdiv(k, tk), cdiv(n, tn)
 
@@ -307,7 +307,7 @@ def tgmm(
     out_shape = layouts.weight_shape(num_local_groups, k, n, rhs_layout)
     if 0 in (m, k, n):  # no rows: every group's gradient is zero
         return jnp.zeros(out_shape, out_dtype)
-    t = _resolve_tiling(tiling, m, k, n, num_local_groups, lhs, dout, out_dtype, generation)
+    t = _resolve_tiling(tiling, m, k, n, num_local_groups, lhs, dout, out_dtype, generation, row_chunks=False)
     tm, tk, tn = t.as_tuple()
     tiles_m, tiles_k, tiles_n = cdiv(m, tm), cdiv(k, tk), cdiv(n, tn)
 
@@ -370,7 +370,7 @@ def _visits_call(kernel, out_shape, grid, in_specs, out_spec, acc_shape, semanti
     )
 
 
-def _resolve_tiling(tiling, m, k, n, num_groups, lhs, rhs, out_dtype, generation):
+def _resolve_tiling(tiling, m, k, n, num_groups, lhs, rhs, out_dtype, generation, *, row_chunks: bool):
     if tiling is None:
         return tiling_lib.choose_tiling(
             m, k, n, num_groups,
@@ -378,6 +378,7 @@ def _resolve_tiling(tiling, m, k, n, num_groups, lhs, rhs, out_dtype, generation
             rhs_itemsize=rhs.dtype.itemsize,
             out_itemsize=out_dtype.itemsize,
             generation=generation,
+            row_chunks=row_chunks,
         )
     t = tiling if isinstance(tiling, tiling_lib.Tiling) else tiling_lib.Tiling(*tiling)
     tiling_lib.validate_tiling(t, m, k, n)

@@ -1,6 +1,7 @@
 """Tile sizes of the grouped matmul kernels, chosen per TPU generation.
 
-The rule (used by the forward and both backward kernels):
+The rule (used by the forward and both backward kernels; the forward kernel's
+row and output tiles differ, see "Forward tiles"):
 
 * ``tm`` (rows per tile) follows the average group size:
   ``tm = next_pow2(ceil(M / G))`` clamped to ``[tm_min, tm_max]`` (and never
@@ -16,6 +17,27 @@ The rule (used by the forward and both backward kernels):
   512). v4 and v5p keep the sublane floor: the estimator has no calibrated
   figures for those chips. TPU7x takes v6e's caps (two 256-wide MXUs per
   core, the same VMEM budget); its estimator constants are not calibrated.
+* Forward tiles (``row_chunks=True``: ``gmm`` and the fused experts kernel,
+  on v5e and v6e, ``FORWARD_TILE_CAPS``): ``tm = 512`` whatever the group
+  sizes, and output tiles up to 1024 (v5e) / 4096 (v6e) columns (the VMEM
+  budget narrows them first). A tile shared by several groups costs each
+  group only the row chunks holding its rows, so a large tile adds little
+  MXU work; it removes grid steps and the lhs / out traffic between them.
+  Estimated, the layer's two matmuls (``bench/peer_sweep.py --peers ours``
+  walk on v6e, then the old and new rule at every shape of
+  ``bench_tpu_estimates``): v6e gpt-oss-20b 512 tokens 1314 -> 1169 us, 4096
+  tokens 2243 -> 2144; Mixtral-8x7B 512 tokens 2411 -> 2092, 4096 tokens
+  5618 -> 5483; DeepSeek-V3 512 tokens 14568 -> 14159, 4096 tokens 20287 ->
+  16985; v5e gpt-oss-20b 512 tokens 2820 -> 2541, 4096 tokens 7267 -> 6598,
+  Mixtral-8x7B 512 tokens 5464 -> 4523, 4096 tokens 19307 -> 18892; decode
+  (64 tokens) within 1% on both. 1024-row tiles lose (v6e gpt-oss-20b 4096
+  tokens 2215 us, Mixtral-8x7B 4096 tokens 7122: the down projection's
+  whole-K tile no longer fits and K splits). The fused experts kernel takes
+  the same row tile within its own VMEM rule (v6e Qwen3-30B-A3B 512 tokens
+  830 -> 806 us, 4096 tokens 1280 -> 1260). TPU7x keeps the group-size rule:
+  its smaller VMEM budget (36 MiB) and the estimates say no (gpt-oss-20b 512
+  tokens 663 -> 685 us, Mixtral-8x7B 512 tokens 1287 -> 1370, K split); the
+  weight gradient (``tgmm``, whole row tiles, no chunks) keeps it too.
 * ``tk`` covers the whole contraction dim when it fits (``K <= tk_max``): the
   kernel then streams each expert's weights exactly once per output column
   tile, consecutive tiles of one group reuse the weight block already in VMEM,
@@ -87,6 +109,12 @@ TILE_CAPS = {
 assert set(TILE_CAPS) == set(tpu_generations.GENERATIONS)
 # Row chunk of the forward kernel (0: the whole tile), see the module docstring.
 ROW_CHUNK = {"v4": 0, "v5e": 128, "v5p": 0, "v6e": 256, "tpu7x": 256}
+# The forward kernels' caps where they differ (see "Forward tiles"): whole
+# 512-row tiles, wider output tiles (the VMEM budget usually decides first).
+FORWARD_TILE_CAPS = {
+    "v5e": TileCaps(512, 1024, 16384, tm_min=512),
+    "v6e": TileCaps(512, 4096, 16384, tm_min=512),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,15 +128,26 @@ class Tiling:
 
 
 def working_set_bytes(t: Tiling, lhs_bytes: int, rhs_bytes: int, out_bytes: int) -> int:
-    """Double-buffered lhs, rhs and out tiles plus the f32 accumulator."""
+    """Double-buffered lhs, rhs and out tiles, the f32 accumulator and the f32
+    product of one step (Mosaic holds it in VMEM before the add: without it,
+    Qwen3-30B-A3B's input gradient at 4096 tokens on v6e, tiles (512, 1536,
+    2048), was counted at 24.1 MB, under the 32 MiB limit's budget, and
+    overflowed that limit)."""
     io = t.tm * t.tk * lhs_bytes + t.tk * t.tn * rhs_bytes + t.tm * t.tn * out_bytes
-    return 2 * io + t.tm * t.tn * 4
+    return 2 * io + 2 * t.tm * t.tn * 4
 
 
-def row_tile(m: int, num_groups: int, itemsize: int, generation: str | None) -> int:
+def tile_caps(generation: str | None, row_chunks: bool) -> TileCaps:
+    """The caps of the forward kernels (``row_chunks``) or of the weight gradient."""
+    gen = tpu_generations.get_generation(generation).name
+    return FORWARD_TILE_CAPS.get(gen, TILE_CAPS[gen]) if row_chunks else TILE_CAPS[gen]
+
+
+def row_tile(m: int, num_groups: int, itemsize: int, generation: str | None, *, row_chunks: bool = False) -> int:
     """``tm`` of the rule: the average group size within the generation's
-    bounds, as a legal row block."""
-    caps = TILE_CAPS[tpu_generations.get_generation(generation).name]
+    bounds (the forward kernels' bounds with ``row_chunks``), as a legal row
+    block."""
+    caps = tile_caps(generation, row_chunks)
     sub = sublane(itemsize)
     rows_per_group = -(-max(m, 1) // max(num_groups, 1))
     tm = min(max(next_pow2(rows_per_group), sub, caps.tm_min), caps.tm_max)
@@ -146,11 +185,13 @@ def row_chunk(tm: int, generation: str | None) -> int:
 
 
 def choose_tiling(m: int, k: int, n: int, num_groups: int, *, lhs_itemsize: int, rhs_itemsize: int,
-                  out_itemsize: int, generation: str | None = None) -> Tiling:
-    """Applies the rule of the module docstring."""
+                  out_itemsize: int, generation: str | None = None, row_chunks: bool = True) -> Tiling:
+    """Applies the rule of the module docstring. ``row_chunks``: the tiles of
+    the forward kernels (``gmm`` and the fused experts kernel); False for the
+    weight gradient ``tgmm``, which computes whole row tiles."""
     gen = tpu_generations.get_generation(generation)
-    caps = TILE_CAPS[gen.name]
-    t = Tiling(row_tile(m, num_groups, min(lhs_itemsize, out_itemsize), gen.name),
+    caps = tile_caps(gen.name, row_chunks)
+    t = Tiling(row_tile(m, num_groups, min(lhs_itemsize, out_itemsize), gen.name, row_chunks=row_chunks),
                min(k, caps.tk_max), min(n, caps.tn_max))
     budget = vmem_budget(gen.name)
     # A whole-K tile first: narrow the output tile down to TN_KEEP_K before
