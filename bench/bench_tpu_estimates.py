@@ -359,7 +359,10 @@ def main(argv=None):
         "recorded sweep (`bench/peer_sweep.py`: tokamax's own autotuning space walked from MaxText's default, "
         "tokamax's tuned table for the same weight shape and our rule's tiles; every config tried is in "
         "`peer_sweep.jsonl`; in this run the walk ran on v6e only: tpu7x's peers took v6e's best and their starts, "
-        "v5e's their starts only, so the v5e ratios flatter us most); the best peer column names its configs (tm, tk, tn) and tokamax's input buffers "
+        "v5e's their starts only, so the v5e ratios flatter us most; after our forward tiles changed (512-row "
+        "tiles on v5e and v6e, gmm/tiling.py), the v6e peers at gpt-oss-20b and Mixtral-8x7B 512 / 4096 tokens "
+        "took our new tiles as one more start and walked one round from their best (their layer figures moved by 1.4% at most); "
+        "the v5e peers did not get them); the best peer column names its configs (tm, tk, tn) and tokamax's input buffers "
         "(xN). Roofline: max(MXU-bound, HBM-bound: rows in, the weights of the experts that have rows, rows "
         f"out). Neither tokamax nor megablox takes fewer than 128 rows (decode).\n\n    {command_line(args)}\n\n"
         + tpu_inference_peers.table_note(args.contenders) + "\n\n".join(sections) + "\n")
