@@ -186,3 +186,69 @@ def validate_tiling(t: Tiling, m: int, k: int, n: int) -> None:
             raise ValueError(f"tiling: {name} must be a positive multiple of 128 or the full "
                              f"dimension {dim}, got {size}")
 
+
+
+# ----------------------------------------------------------------------------
+# Quantized weights (int8, fp8, mxfp4: common.quant_formats), forward only
+# ----------------------------------------------------------------------------
+
+# A split K must keep each format's blocks whole and its blocks lane-legal:
+# fp8's 128-wide scale blocks; mxfp4's [tn, tk / 32] scale block needs tk / 32
+# to be a multiple of 128 lanes (so tk a multiple of 4096) unless K is whole.
+QUANT_TK_ALIGN = {"int8": 128, "fp8": 128, "mxfp4": 4096}
+# Columns the quantized kernel dequantizes at a time (its f32 temporaries).
+QUANT_CHUNK = 512
+
+
+def quantized_k_width(weight_format: str, tk: int) -> int:
+    """Columns of the kernel's lhs block and dequantized tile: ``tk``, or for
+    mxfp4 two halves (even k, odd k) each padded to whole lanes."""
+    if weight_format != "mxfp4":
+        return tk
+    return 2 * -(-(tk // 2) // 128) * 128
+
+
+def quantized_working_set_bytes(weight_format: str, t: Tiling, lhs_bytes: int, out_bytes: int) -> int:
+    """Double-buffered lhs, values, scales and out tiles, the f32 accumulator,
+    the dequantized tile (kept across the visits of one group) and the f32
+    temporaries of one dequantized chunk."""
+    tkw = quantized_k_width(weight_format, t.tk)
+    values = t.tn * t.tk // (2 if weight_format == "mxfp4" else 1)
+    scales = {"int8": 4 * t.tn, "fp8": 4 * (t.tn // 128 + 1) * (t.tk // 128 + 1), "mxfp4": t.tn * t.tk // 32}
+    io = t.tm * tkw * lhs_bytes + values + scales[weight_format] + t.tm * t.tn * out_bytes
+    return 2 * io + t.tm * t.tn * 4 + t.tn * tkw * lhs_bytes + 3 * t.tn * QUANT_CHUNK * 4
+
+
+def choose_quantized_tiling(weight_format: str, m: int, k: int, n: int, num_groups: int, *,
+                            lhs_itemsize: int, out_itemsize: int, generation: str | None = None) -> Tiling:
+    """The bf16 rule's row tile and whole-K, wide-N tiles, narrowed to the
+    VMEM budget (tn first, down to TN_KEEP_K, then tk in the format's
+    alignment, then tn)."""
+    gen = tpu_generations.get_generation(generation)
+    caps = TILE_CAPS[gen.name]
+    align = QUANT_TK_ALIGN[weight_format]
+    t = Tiling(row_tile(m, num_groups, min(lhs_itemsize, out_itemsize), gen.name),
+               k if k <= caps.tk_max else caps.tk_max // align * align, min(n, caps.tn_max))
+    budget = vmem_budget(gen.name)
+
+    def fits(t):
+        return quantized_working_set_bytes(weight_format, t, lhs_itemsize, out_itemsize) <= budget
+
+    keep_k = TN_KEEP_K.get(gen.name, gen.mxu)
+    while t.tn > keep_k and not fits(t):
+        t = Tiling(t.tm, t.tk, max(keep_k, halve_lane_aligned(t.tn)))
+    while not fits(t) and t.tk > align:
+        t = Tiling(t.tm, max(align, (t.tk // 2) // align * align), t.tn)
+    while not fits(t) and t.tn > 128:
+        t = Tiling(t.tm, t.tk, halve_lane_aligned(t.tn))
+    tk = t.tk if t.tk >= k else balanced_tile(k, t.tk, align)
+    return Tiling(t.tm, tk, balanced_tile(n, t.tn, gen.mxu if t.tn >= gen.mxu else 128))
+
+
+def validate_quantized_tiling(weight_format: str, t: Tiling, m: int, k: int, n: int) -> None:
+    """``validate_tiling`` plus the format's K alignment (``QUANT_TK_ALIGN``)."""
+    validate_tiling(t, m, k, n)
+    align = QUANT_TK_ALIGN[weight_format]
+    if t.tk != k and t.tk % align:
+        raise ValueError(f"tiling: {weight_format} weights need tk a multiple of {align} or the "
+                         f"whole K={k}, got {t.tk}")

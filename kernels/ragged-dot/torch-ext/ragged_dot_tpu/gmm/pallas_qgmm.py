@@ -1,0 +1,240 @@
+"""The grouped matmul forward with quantized weights (int8, fp8, mxfp4).
+
+``gmm_quantized(lhs, values, scales, group_sizes, weight_format=...)`` is
+``pallas_gmm.gmm`` on ``dequantize(values, scales)``: the same visits (row
+segments of the local groups, zeros outside the window, empty groups cost
+nothing), but the weights stay in their format in HBM and a grid step reads
+``tn x tk`` values (1 byte, mxfp4 half a byte) plus their scales.
+
+In VMEM a step dequantizes its tile into a scratch tile of the lhs dtype,
+``QUANT_CHUNK`` columns at a time (bounded f32 temporaries), then runs the
+MXU dot with f32 accumulation. With a whole-K tile the scratch tile is kept
+across the consecutive visits of one group (a group of 2048 rows in 512-row
+tiles is dequantized once, not four times); a SMEM key names the group whose
+tile it holds. Per format:
+
+* int8: values converted exactly; the per-output-channel scale multiplies
+  the f32 accumulator columns once, at the store (exact products, one
+  rounding fewer than scaling the weights).
+* fp8: e4m3 values times their 128 x 128 block scale, in f32, rounded once
+  to the lhs dtype: the same weight ``dequantize(.., dtype)`` produces. The
+  scale varies along K every 128 columns, so applying it to the f32 partial
+  products instead would split the dot into K = 128 pieces (half the MXU
+  depth of v6e, and four times the result updates); the rounding costs at
+  most 2**-9 relative per weight in bf16, the error a bf16 copy of the
+  weights has anyway. A step reads its expert's whole ``[N/128, K/128]``
+  scale block (a few KB, fetched once per expert).
+* mxfp4: e2m1 codes and e8m0 exponents decoded from bits, their product is
+  exact in bf16. The two nibbles of a byte are k = 2j and 2j + 1; rather than
+  interleave lanes in VMEM, the wrapper reorders lhs per K tile into [even k
+  | odd k] (each half padded to whole lanes) and the kernel writes the
+  dequantized tile as [low nibbles | high nibbles]: the contraction is the
+  same sum.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ..common import quant_formats
+from ..common.pallas_helpers import compiler_params, dot_f32, out_struct, zero_past
+from ..common.tile_math import cdiv
+from . import quantized, tiling as tiling_lib
+from .pallas_gmm import forward_visits, store_visit_rows
+
+FP8_BLOCK = quant_formats.FORMATS["fp8"].block_k  # 128 (both dims)
+MXFP4_BLOCK = quant_formats.FORMATS["mxfp4"].block_k  # 32 values, 16 packed bytes
+
+
+def _mask_cols(w, first_col, valid):
+    """Zeros the columns of chunk ``w`` (starting at tile column ``first_col``)
+    at or past ``valid``: the garbage past K of a split K's last tile."""
+    cols = first_col + lax.broadcasted_iota(jnp.int32, w.shape, 1)
+    return jnp.where(cols < valid, w, jnp.zeros_like(w))
+
+
+def _dequantize_int8_or_fp8(values_ref, scales_ref, wq_ref, n_i, k_i, *, weight_format, tn, tk, tiles_n,
+                            tiles_k, valid):
+    if weight_format == "fp8":
+        blocks_n = cdiv(tn, FP8_BLOCK)
+        first_row = pl.ds(pl.multiple_of(n_i * blocks_n, blocks_n), blocks_n) if tiles_n > 1 else pl.ds(0, blocks_n)
+        s = scales_ref[first_row, :]  # [blocks_n, K / 128]
+        # Each block row of scales repeated over its 128 weight rows.
+        s_rows = jnp.broadcast_to(s[:, None, :], (blocks_n, FP8_BLOCK, s.shape[1]))
+        s_rows = s_rows.reshape(blocks_n * FP8_BLOCK, s.shape[1])[:tn]
+        lane = lax.broadcasted_iota(jnp.int32, s_rows.shape, 1)
+    for c0 in range(0, tk, tiling_lib.QUANT_CHUNK):
+        width = min(tiling_lib.QUANT_CHUNK, tk - c0)
+        w = values_ref[:, c0:c0 + width].astype(jnp.float32)
+        if weight_format == "fp8":
+            pieces = []
+            for b0 in range(c0, c0 + width, FP8_BLOCK):
+                if tiles_k == 1:
+                    col = s_rows[:, b0 // FP8_BLOCK:b0 // FP8_BLOCK + 1]
+                else:  # a dynamic lane index: pick it with a masked row sum
+                    block = k_i * (tk // FP8_BLOCK) + b0 // FP8_BLOCK
+                    col = jnp.sum(jnp.where(lane == block, s_rows, 0.0), axis=1, keepdims=True)
+                pieces.append(jnp.broadcast_to(col, (tn, min(FP8_BLOCK, c0 + width - b0))))
+            w = w * (pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1))
+        if valid is not None:
+            w = _mask_cols(w, c0, valid)
+        wq_ref[:, c0:c0 + width] = w.astype(wq_ref.dtype)
+
+
+def _dequantize_mxfp4(values_ref, scales_ref, wq_ref, *, tk, half, valid):
+    packed_cols = tk // 2
+    step = tiling_lib.QUANT_CHUNK // 2
+    per_scale = MXFP4_BLOCK // 2
+    for c0 in range(0, packed_cols, step):
+        width = min(step, packed_cols - c0)
+        even, odd = quantized.unpack_e2m1(values_ref[:, c0:c0 + width])
+        codes = scales_ref[:, c0 // per_scale:(c0 + width) // per_scale].astype(jnp.int32)
+        s = jnp.repeat(quantized.e8m0_to_f32(codes), per_scale, axis=1)
+        for offset, nibbles in ((0, even), (half, odd)):
+            w = quantized.e2m1_to_f32(nibbles) * s
+            if valid is not None:
+                w = _mask_cols(w, c0, valid // 2)
+            wq_ref[:, offset + c0:offset + c0 + width] = w.astype(wq_ref.dtype)
+    if half > packed_cols:  # lane padding of each half: zeros, never stale VMEM
+        pad = jnp.zeros((wq_ref.shape[0], half - packed_cols), wq_ref.dtype)
+        wq_ref[:, packed_cols:half] = pad
+        wq_ref[:, half + packed_cols:] = pad
+
+
+def _qgmm_kernel(
+    seg_ref, tile_ref, seg_start_ref, seg_end_ref, group_ref,  # scalar prefetch (SMEM)
+    lhs_ref, values_ref, scales_ref,  # inputs (VMEM)
+    out_ref,
+    acc_ref, wq_ref, key_ref,  # f32 accumulator, dequantized tile, group held by wq_ref (SMEM)
+    *, weight_format: str, tm: int, tn: int, tk: int, k: int, tiles_n: int, tiles_k: int,
+    num_segments: int, row_chunk: int, half: int,
+):
+    n_i, v, k_i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    seg = seg_ref[v]
+    is_local = (seg > 0) & (seg < num_segments - 1)
+    start, end = seg_start_ref[seg], seg_end_ref[seg]
+    valid = (k - k_i * tk) if k % tk else None  # columns of this K tile inside K
+
+    @pl.when(k_i == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    chunks = []
+    for c in range(tm // row_chunk):
+        first_row = tile_ref[v] * tm + c * row_chunk
+        chunks.append((slice(c * row_chunk, (c + 1) * row_chunk),
+                       is_local & (first_row < end) & (first_row + row_chunk > start)))
+    any_live = functools.reduce(jnp.logical_or, [live for _, live in chunks])
+
+    @pl.when(v == 0)
+    def _forget():  # a new column tile (or a core's first step): the scratch tile is stale
+        key_ref[0] = -1
+
+    held = (key_ref[0] == group_ref[v]) if tiles_k == 1 else False
+
+    @pl.when(any_live & jnp.logical_not(held))
+    def _dequantize():
+        if weight_format == "mxfp4":
+            _dequantize_mxfp4(values_ref, scales_ref, wq_ref, tk=tk, half=half, valid=valid)
+        else:
+            _dequantize_int8_or_fp8(values_ref, scales_ref, wq_ref, n_i, k_i, weight_format=weight_format,
+                                    tn=tn, tk=tk, tiles_n=tiles_n, tiles_k=tiles_k, valid=valid)
+        key_ref[0] = group_ref[v]
+
+    def accumulate(rows):
+        x = lhs_ref[rows, :]
+        if valid is not None and weight_format != "mxfp4":  # mxfp4's lhs is zero-padded
+            x = zero_past(x, 1, valid)
+        acc_ref[rows, :] += dot_f32(x, wq_ref[...], 1, 1)
+
+    for rows, live in chunks:
+        pl.when(live)(functools.partial(accumulate, rows))
+
+    @pl.when(k_i == tiles_k - 1)
+    def _store():
+        value = acc_ref[...]
+        if weight_format == "int8":
+            value = value * scales_ref[...]  # [1, tn]: one scale per output column
+        store_visit_rows(out_ref, value, v, tile_ref, tm, start, end)
+
+
+def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_layout: str = "nk",
+                  group_offset=0, out_dtype=None, tiling=None, generation=None, interpret=False):
+    """``lhs @ dequantize(values, scales)^T`` per group (see the module docstring)."""
+    quantized.check_quantized_gmm_args(lhs, values, scales, weight_format, rhs_layout)
+    m, k = lhs.shape
+    num_local, n = values.shape[:2]
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    if 0 in (m, k, n):
+        return jnp.zeros((m, n), out_dtype)
+    if tiling is None:
+        t = tiling_lib.choose_quantized_tiling(weight_format, m, k, n, num_local,
+                                               lhs_itemsize=lhs.dtype.itemsize,
+                                               out_itemsize=out_dtype.itemsize, generation=generation)
+    else:
+        t = tiling if isinstance(tiling, tiling_lib.Tiling) else tiling_lib.Tiling(*tiling)
+        tiling_lib.validate_quantized_tiling(weight_format, t, m, k, n)
+    tm, tk, tn = t.as_tuple()
+    tiles_k, tiles_n = cdiv(k, tk), cdiv(n, tn)
+    tkw = tiling_lib.quantized_k_width(weight_format, tk)
+    half = tkw // 2
+
+    seg, tile, num_visits, seg_starts, seg_ends, weight_group = forward_visits(
+        group_sizes, group_offset, num_local, m=m, tm=tm)
+
+    if weight_format == "mxfp4":
+        lhs = quantized.split_even_odd(lhs, tk, tiles_k, half)
+        values_block = (pl.Squeezed(), tn, tk // 2)
+        scales_spec = pl.BlockSpec((pl.Squeezed(), tn, tk // MXFP4_BLOCK),
+                                   lambda n_i, v, k_i, s, tl, a, b, g: (g[v], n_i, k_i))
+    elif weight_format == "fp8":
+        values_block = (pl.Squeezed(), tn, tk)
+        blocks_n = tiles_n * cdiv(tn, FP8_BLOCK)
+        if scales.shape[1] < blocks_n:  # a partial last column tile reads whole blocks of scale rows
+            scales = jnp.pad(scales, ((0, 0), (0, blocks_n - scales.shape[1]), (0, 0)))
+        scales_spec = pl.BlockSpec((pl.Squeezed(), *scales.shape[1:]),
+                                   lambda n_i, v, k_i, s, tl, a, b, g: (g[v], 0, 0))
+    else:
+        values_block = (pl.Squeezed(), tn, tk)
+        scales = scales.reshape(num_local, 1, n)
+        scales_spec = pl.BlockSpec((pl.Squeezed(), 1, tn), lambda n_i, v, k_i, s, tl, a, b, g: (g[v], 0, n_i))
+    lhs_spec = pl.BlockSpec((tm, tkw), lambda n_i, v, k_i, s, tl, *_: (tl[v], k_i))
+    values_spec = pl.BlockSpec(values_block, lambda n_i, v, k_i, s, tl, a, b, g: (g[v], n_i, k_i))
+    out_spec = pl.BlockSpec((tm, tn), lambda n_i, v, k_i, s, tl, *_: (tl[v], n_i))
+
+    kernel = functools.partial(
+        _qgmm_kernel, weight_format=weight_format, tm=tm, tn=tn, tk=tk, k=k, tiles_n=tiles_n,
+        tiles_k=tiles_k, num_segments=num_local + 2, row_chunk=tiling_lib.row_chunk(tm, generation),
+        half=half)
+    fmt = quant_formats.weight_format(weight_format)
+    cost = pl.CostEstimate(
+        flops=2 * m * k * n, transcendentals=0,
+        bytes_accessed=(lhs.size * lhs.dtype.itemsize * tiles_n + fmt.hbm_bytes(min(num_local, m), n, k)
+                        + m * n * out_dtype.itemsize))
+    large_vmem = tiling_lib.quantized_working_set_bytes(
+        weight_format, t, lhs.dtype.itemsize, out_dtype.itemsize) > tiling_lib.tpu_generations.get_generation(
+            generation).vmem_budget and generation_allows_large_vmem(generation)
+    call = pl.pallas_call(
+        kernel,
+        out_shape=out_struct((m, n), out_dtype, lhs, values, group_sizes),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5, grid=(tiles_n, num_visits, tiles_k),
+            in_specs=[lhs_spec, values_spec, scales_spec], out_specs=out_spec,
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32), pltpu.VMEM((tn, tkw), lhs.dtype),
+                            pltpu.SMEM((1,), jnp.int32)],
+        ),
+        compiler_params=compiler_params(generation, ("parallel", "arbitrary", "arbitrary"),
+                                        large_vmem=large_vmem),
+        interpret=interpret, cost_estimate=cost, name=f"ragged_dot_gmm_{weight_format}",
+    )
+    return call(seg, tile, seg_starts, seg_ends, weight_group, lhs, values, scales)
+
+
+def generation_allows_large_vmem(generation) -> bool:
+    return tiling_lib.tpu_generations.get_generation(generation).name in tiling_lib.TN_KEEP_K
