@@ -6,8 +6,9 @@ The formats are those of ``common.quant_formats`` (values + scales, always
 times an e8m0 power of two are all representable in bfloat16 and float32,
 so a dequantized tile differs from the float64 weight only where a format's
 own scale is not (fp8's float32 block scale times the value, rounded once to
-the lhs dtype). e8m0 code 0 (2**-127, a float32 subnormal) decodes to 0: TPU
-vector units flush subnormals, and no real scale sits there.
+the lhs dtype). Products below the smallest normal float32 (2**-126: e8m0
+codes 0 and 1 with small e2m1 values, 2**-127 itself) are flushed to zero,
+as TPU vector units flush subnormals; no real checkpoint's scale sits there.
 """
 
 from __future__ import annotations
