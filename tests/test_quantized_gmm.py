@@ -2,7 +2,8 @@
 mode against dequantize-then-matmul in float64 (tests/reference.py).
 
 Values and scales are drawn over each format's whole range, extremes
-included: int8 +-127, fp8 subnormals and +-448, e8m0 codes from 2 to 254
+included: int8 +-127, fp8 subnormals and +-448, e8m0 codes from 20 to 254 in the matmuls, 2 to 254 in the
+decoders (products below 2**-126 are flushed on a TPU)
 (rows whose products would overflow float32 are kept out by pairing large
 scales with small ones along a row). The interpreter poisons memory, so an
 unwritten output element or an unmasked tail reads NaN and fails.
@@ -32,7 +33,7 @@ TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
 def random_weights(rng, fmt_name, e, n, k, extreme="low"):
     """(values, scales) covering the format's range, as numpy arrays. mxfp4's
-    output row 0 gets the extreme e8m0 codes: 2-4 (``extreme="low"``) or
+    output row 0 gets the extreme e8m0 codes: 20-23 (``extreme="low"``) or
     250-254 with magnitudes <= 0.5 (``"high"``: the caller scales lhs down
     so that the f32 sums stay finite)."""
     fmt = quant_formats.weight_format(fmt_name)
@@ -52,9 +53,10 @@ def random_weights(rng, fmt_name, e, n, k, extreme="low"):
         values = rng.integers(0, 256, size=vshape).astype(np.uint8)
         scales = rng.integers(117, 138, size=sshape).astype(np.uint8)
         if extreme == "low":
-            # 2 is the smallest code whose every product is a normal float32
-            # (0.5 * 2**-125); below it the TPU flushes (quantized.py).
-            scales[:, 0, :] = rng.integers(2, 5, size=scales[:, 0, :].shape)
+            # Weights down to 2**-108: their products with lhs entries of
+            # N(0, 1) stay normal float32 (the TPU and XLA:CPU flush
+            # subnormals); test_dequantize_is_exact covers codes down to 2.
+            scales[:, 0, :] = rng.integers(20, 24, size=scales[:, 0, :].shape)
         else:
             scales[:, 0, :] = rng.integers(250, 255, size=scales[:, 0, :].shape)
             nibbles = rng.integers(0, 2, size=(2, *values[:, 0, :].shape)) | (8 * rng.integers(0, 2, size=(2, *values[:, 0, :].shape)))
@@ -109,3 +111,105 @@ def test_matches_float64_dequantized(fmt_name, dtype):
         got = run_gmm(lhs, values, scales, sizes, fmt_name, dtype, tiling=t)
         w = reference.dequantize_weights(values, scales, fmt_name)
         assert_matches(got, lhs, w, sizes, dtype, what=f"{fmt_name} {(m, k, n, g, kind, t)}")
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_dequantize_is_exact(fmt_name):
+    """The XLA dequantize (the kernel's decoders) equals the float64 one
+    exactly in float32, every code: all 256 int8 / e4m3 bit patterns but NaN,
+    all e2m1 pairs with e8m0 codes 2 .. 254."""
+    rng = np.random.default_rng(SEED)
+    if fmt_name == "mxfp4":
+        values = np.tile(np.arange(256, dtype=np.uint8), (2, 253, 1))  # [2, 253, 256]: K = 512
+        scales = np.repeat(np.arange(2, 255, dtype=np.uint8)[None, :, None], 16, axis=2).repeat(2, axis=0)
+    else:
+        values, scales = random_weights(rng, fmt_name, 2, 256, 256)
+        bits = np.arange(256, dtype=np.uint8)
+        bits[bits == 0xFF] = 0xFE
+        bits[bits == 0x7F] = 0x7E
+        values[0, 0, :] = bits.view(values.dtype)
+    got = quantized.dequantize(jnp.asarray(values), jnp.asarray(scales), fmt_name, jnp.float32)
+    want = reference.dequantize_weights(values, scales, fmt_name)
+    np.testing.assert_array_equal(np.asarray(got, np.float64), want.astype(np.float32).astype(np.float64))
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_window_of_local_groups_and_empty_groups(fmt_name):
+    """Expert parallelism: groups [offset, offset + local) are computed, every
+    other row (and every row past sum(group_sizes)) is zero; also with no
+    rows in the window at all."""
+    rng = np.random.default_rng(SEED)
+    m, k, n, g, local = 40, 256, 136, 6, 3
+    for kind, offset in (("random", 2), ("with_zeros", 1), ("all_empty", 0), ("sum_below_m", 3)):
+        lhs, values, scales, sizes = inputs(rng, fmt_name, m, k, n, g, kind, jnp.bfloat16, num_local=local)
+        got = run_gmm(lhs, values, scales, sizes, fmt_name, jnp.bfloat16, group_offset=offset)
+        w = reference.dequantize_weights(values, scales, fmt_name)
+        assert_matches(got, lhs, w, sizes, jnp.bfloat16, offset, what=f"{fmt_name} {kind} offset={offset}")
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_poisoned_output_every_element_written(fmt_name):
+    """Row tiles shared by several groups and a zero suffix, in the poisoning
+    interpreter: any element the kernel does not write reads back NaN."""
+    rng = np.random.default_rng(SEED)
+    sizes = np.array([3, 0, 21, 5, 0], np.int32)  # 29 of 48 rows; tm 16 splits the groups mid-tile
+    lhs, values, scales, _ = inputs(rng, fmt_name, 48, 256, 256, 5, "random", jnp.float32)
+    got = np.asarray(run_gmm(lhs, values, scales, sizes, fmt_name, jnp.float32, tiling=(16, 256, 128)))
+    assert not np.isnan(got).any()
+    assert (got[29:] == 0).all()
+    assert_matches(got, lhs, reference.dequantize_weights(values, scales, fmt_name), sizes, jnp.float32)
+
+
+def _args(fmt_name, e=2, n=128, k=256, m=8):
+    fmt = quant_formats.weight_format(fmt_name)
+    lhs = jnp.zeros((m, k), jnp.bfloat16)
+    values = jnp.zeros(fmt.values_shape(e, n, k), fmt.values_dtype)
+    scales = jnp.zeros(fmt.scales_shape(e, n, k), fmt.scales_dtype)
+    return lhs, values, scales, jnp.array([4, 4], jnp.int32)
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_bad_arguments_raise_clear_errors(fmt_name):
+    lhs, values, scales, sizes = _args(fmt_name)
+    with pytest.raises(ValueError, match="rhs_layout='kn' is not supported"):
+        pallas_gmm.gmm(lhs, values, sizes, rhs_scales=scales, weight_format=fmt_name, rhs_layout="kn")
+    with pytest.raises(ValueError, match="rhs_scales must be"):
+        pallas_gmm.gmm(lhs, values, sizes, rhs_scales=scales[:1], weight_format=fmt_name)
+    with pytest.raises(ValueError, match="rhs_scales must be"):
+        pallas_gmm.gmm(lhs, values, sizes, rhs_scales=scales.astype(jnp.float16), weight_format=fmt_name)
+    with pytest.raises(ValueError, match="rhs_scales is required"):
+        pallas_gmm.gmm(lhs, values, sizes, weight_format=fmt_name)
+    with pytest.raises(ValueError, match=r"rhs \(\w+ values\) must be"):
+        pallas_gmm.gmm(lhs, values.astype(jnp.float32), sizes, rhs_scales=scales, weight_format=fmt_name)
+    with pytest.raises(ValueError, match="must have shape"):
+        pallas_gmm.gmm(lhs[:, :128], values, sizes, rhs_scales=scales, weight_format=fmt_name)
+    with pytest.raises(ValueError, match="lhs must be bfloat16 or float32"):
+        pallas_gmm.gmm(lhs.astype(jnp.float16), values, sizes, rhs_scales=scales, weight_format=fmt_name)
+    with pytest.raises(ValueError, match="tk"):
+        pallas_gmm.gmm(lhs, values, sizes, rhs_scales=scales, weight_format=fmt_name, tiling=(8, 200, 128))
+    if fmt_name == "mxfp4":  # a 128-multiple that splits mxfp4's scale blocks across lanes
+        with pytest.raises(ValueError, match="need tk a multiple of 4096"):
+            pallas_gmm.gmm(lhs, values, sizes, rhs_scales=scales, weight_format=fmt_name, tiling=(8, 128, 128))
+
+
+def test_bad_format_name_and_mxfp4_k():
+    lhs, values, scales, sizes = _args("int8")
+    with pytest.raises(ValueError, match="weight format must be one of"):
+        pallas_gmm.gmm(lhs, values, sizes, rhs_scales=scales, weight_format="int4")
+    with pytest.raises(ValueError, match="rhs_scales given without weight_format"):
+        pallas_gmm.gmm(lhs, values, sizes, rhs_scales=scales)
+    lhs, values, scales, sizes = _args("mxfp4", k=256)
+    with pytest.raises(ValueError, match="in_features divisible by 32"):
+        pallas_gmm.gmm(jnp.zeros((8, 240), jnp.bfloat16), values[..., :120], sizes, rhs_scales=scales,
+                       weight_format="mxfp4")
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_tiling_rule_keeps_format_blocks(fmt_name):
+    """The rule's tiles are legal blocks of the format and fit the budget, from
+    decode to prefill on every generation."""
+    for gen in tiling.TILE_CAPS:
+        for m, k, n in ((8, 2048, 1536), (4096, 2880, 5760), (512, 14336, 4096), (64, 7168, 4096), (32, 18432, 7168)):
+            t = tiling.choose_quantized_tiling(fmt_name, m, k, n, 8, lhs_itemsize=2, out_itemsize=4, generation=gen)
+            tiling.validate_quantized_tiling(fmt_name, t, m, k, n)
+            assert tiling.quantized_working_set_bytes(fmt_name, t, 2, 4) <= tiling.vmem_budget(gen), (gen, m, k, n, t)

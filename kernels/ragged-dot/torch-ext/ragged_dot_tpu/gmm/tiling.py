@@ -223,12 +223,12 @@ def choose_quantized_tiling(weight_format: str, m: int, k: int, n: int, num_grou
                             lhs_itemsize: int, out_itemsize: int, generation: str | None = None) -> Tiling:
     """The bf16 rule's row tile and whole-K, wide-N tiles, narrowed to the
     VMEM budget (tn first, down to TN_KEEP_K, then tk in the format's
-    alignment, then tn)."""
+    alignment, then tn, then tm)."""
     gen = tpu_generations.get_generation(generation)
     caps = TILE_CAPS[gen.name]
     align = QUANT_TK_ALIGN[weight_format]
     t = Tiling(row_tile(m, num_groups, min(lhs_itemsize, out_itemsize), gen.name),
-               k if k <= caps.tk_max else caps.tk_max // align * align, min(n, caps.tn_max))
+               k if k <= caps.tk_max else max(align, caps.tk_max // align * align), min(n, caps.tn_max))
     budget = vmem_budget(gen.name)
 
     def fits(t):
@@ -241,6 +241,8 @@ def choose_quantized_tiling(weight_format: str, m: int, k: int, n: int, num_grou
         t = Tiling(t.tm, max(align, (t.tk // 2) // align * align), t.tn)
     while not fits(t) and t.tn > 128:
         t = Tiling(t.tm, t.tk, halve_lane_aligned(t.tn))
+    while not fits(t) and t.tm > 16:  # v4's 12 MiB with mxfp4's 4096-wide K tiles
+        t = Tiling(t.tm // 2, t.tk, t.tn)
     tk = t.tk if t.tk >= k else balanced_tile(k, t.tk, align)
     return Tiling(t.tm, tk, balanced_tile(n, t.tn, gen.mxu if t.tn >= gen.mxu else 128))
 
