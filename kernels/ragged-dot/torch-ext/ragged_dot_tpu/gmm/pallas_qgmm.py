@@ -50,6 +50,7 @@ from .pallas_gmm import forward_visits, store_visit_rows
 
 FP8_BLOCK = quant_formats.FORMATS["fp8"].block_k  # 128 (both dims)
 MXFP4_BLOCK = quant_formats.FORMATS["mxfp4"].block_k  # 32 values, 16 packed bytes
+ROW_BLOCK = 32  # weight rows dequantized at a time: one native tile of 8-bit values
 
 
 def _mask_cols(w, first_col, valid):
@@ -59,52 +60,71 @@ def _mask_cols(w, first_col, valid):
     return jnp.where(cols < valid, w, jnp.zeros_like(w))
 
 
-def _dequantize_int8_or_fp8(values_ref, scales_ref, wq_ref, n_i, k_i, *, weight_format, tn, tk, tiles_n,
-                            tiles_k, valid):
-    if weight_format == "fp8":
-        blocks_n = cdiv(tn, FP8_BLOCK)
-        first_row = pl.ds(pl.multiple_of(n_i * blocks_n, blocks_n), blocks_n) if tiles_n > 1 else pl.ds(0, blocks_n)
-        s = scales_ref[first_row, :]  # [blocks_n, K / 128]
-        # Each block row of scales repeated over its 128 weight rows.
-        s_rows = jnp.broadcast_to(s[:, None, :], (blocks_n, FP8_BLOCK, s.shape[1]))
-        s_rows = s_rows.reshape(blocks_n * FP8_BLOCK, s.shape[1])[:tn]
-        lane = lax.broadcasted_iota(jnp.int32, s_rows.shape, 1)
-    for c0 in range(0, tk, tiling_lib.QUANT_CHUNK):
-        width = min(tiling_lib.QUANT_CHUNK, tk - c0)
-        w = values_ref[:, c0:c0 + width].astype(jnp.float32)
+def _for_row_blocks(tn: int, body):
+    """``body(rows)`` over the tile's rows, ``ROW_BLOCK`` at a time (a loop, so
+    that the f32 temporaries of one block are all that is live), then the
+    static tail of ``tn % ROW_BLOCK`` rows."""
+    full = tn // ROW_BLOCK
+    if full:
+        def step(i, carry):
+            body(pl.ds(pl.multiple_of(i * ROW_BLOCK, ROW_BLOCK), ROW_BLOCK))
+            return carry
+
+        lax.fori_loop(0, full, step, 0)
+    if tn % ROW_BLOCK:
+        body(pl.ds(full * ROW_BLOCK, tn % ROW_BLOCK))
+
+
+def _column_chunks(width: int):
+    return [(c0, min(tiling_lib.QUANT_CHUNK, width - c0)) for c0 in range(0, width, tiling_lib.QUANT_CHUNK)]
+
+
+def _dequantize_int8_or_fp8(values_ref, scales_ref, wq_ref, n_i, k_i, *, weight_format, tn, tk, tiles_k, valid):
+    def block(rows):
         if weight_format == "fp8":
-            pieces = []
-            for b0 in range(c0, c0 + width, FP8_BLOCK):
-                if tiles_k == 1:
-                    col = s_rows[:, b0 // FP8_BLOCK:b0 // FP8_BLOCK + 1]
-                else:  # a dynamic lane index: pick it with a masked row sum
-                    block = k_i * (tk // FP8_BLOCK) + b0 // FP8_BLOCK
-                    col = jnp.sum(jnp.where(lane == block, s_rows, 0.0), axis=1, keepdims=True)
-                pieces.append(jnp.broadcast_to(col, (tn, min(FP8_BLOCK, c0 + width - b0))))
-            w = w * (pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1))
-        if valid is not None:
-            w = _mask_cols(w, c0, valid)
-        wq_ref[:, c0:c0 + width] = w.astype(wq_ref.dtype)
-
-
-def _dequantize_mxfp4(values_ref, scales_ref, wq_ref, *, tk, half, valid):
-    packed_cols = tk // 2
-    step = tiling_lib.QUANT_CHUNK // 2
-    per_scale = MXFP4_BLOCK // 2
-    for c0 in range(0, packed_cols, step):
-        width = min(step, packed_cols - c0)
-        even, odd = quantized.unpack_e2m1(values_ref[:, c0:c0 + width])
-        codes = scales_ref[:, c0 // per_scale:(c0 + width) // per_scale].astype(jnp.int32)
-        s = jnp.repeat(quantized.e8m0_to_f32(codes), per_scale, axis=1)
-        for offset, nibbles in ((0, even), (half, odd)):
-            w = quantized.e2m1_to_f32(nibbles) * s
+            # ROW_BLOCK divides 128: the rows share one row of 128 x 128 blocks.
+            # (lax.div: a traced // lowers through sign, which Mosaic cannot lower off a TPU host)
+            s_row = scales_ref[pl.ds(lax.div(n_i * tn + rows.start, FP8_BLOCK), 1), :]  # [1, K / 128]
+            lane = lax.broadcasted_iota(jnp.int32, s_row.shape, 1)
+        for c0, width in _column_chunks(tk):
+            w = values_ref[rows, c0:c0 + width].astype(jnp.float32)
+            if weight_format == "fp8":  # each 128-column block times its scale
+                pieces = []
+                for b0 in range(c0, c0 + width, FP8_BLOCK):
+                    if tiles_k == 1:
+                        col = s_row[:, b0 // FP8_BLOCK:b0 // FP8_BLOCK + 1]
+                    else:  # the K tile's blocks sit at a dynamic lane offset: pick with a masked sum
+                        wanted = k_i * (tk // FP8_BLOCK) + b0 // FP8_BLOCK
+                        col = jnp.sum(jnp.where(lane == wanted, s_row, 0.0), axis=1, keepdims=True)
+                    pieces.append(jnp.broadcast_to(col, (1, min(FP8_BLOCK, c0 + width - b0))))
+                w = w * (pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1))
             if valid is not None:
-                w = _mask_cols(w, c0, valid // 2)
-            wq_ref[:, offset + c0:offset + c0 + width] = w.astype(wq_ref.dtype)
-    if half > packed_cols:  # lane padding of each half: zeros, never stale VMEM
-        pad = jnp.zeros((wq_ref.shape[0], half - packed_cols), wq_ref.dtype)
-        wq_ref[:, packed_cols:half] = pad
-        wq_ref[:, half + packed_cols:] = pad
+                w = _mask_cols(w, c0, valid)
+            wq_ref[rows, c0:c0 + width] = w.astype(wq_ref.dtype)
+
+    _for_row_blocks(tn, block)
+
+
+def _dequantize_mxfp4(values_ref, scales_ref, wq_ref, *, tn, tk, half, valid):
+    packed_cols = tk // 2
+    per_scale = MXFP4_BLOCK // 2  # packed bytes per e8m0 scale
+
+    def block(rows):
+        for c0, width in _column_chunks(packed_cols):
+            even, odd = quantized.unpack_e2m1(values_ref[rows, c0:c0 + width])
+            codes = scales_ref[rows, c0 // per_scale:(c0 + width) // per_scale].astype(jnp.int32)
+            s = jnp.repeat(quantized.e8m0_to_f32(codes), per_scale, axis=1)
+            for offset, nibbles in ((0, even), (half, odd)):
+                w = quantized.e2m1_to_f32(nibbles) * s
+                if valid is not None:
+                    w = _mask_cols(w, c0, lax.div(valid, 2))
+                wq_ref[rows, offset + c0:offset + c0 + width] = w.astype(wq_ref.dtype)
+        if half > packed_cols:  # lane padding of each half: zeros, never stale VMEM
+            pad = jnp.zeros((rows.size, half - packed_cols), wq_ref.dtype)
+            wq_ref[rows, packed_cols:half] = pad
+            wq_ref[rows, half + packed_cols:] = pad
+
+    _for_row_blocks(tn, block)
 
 
 def _qgmm_kernel(
@@ -141,10 +161,10 @@ def _qgmm_kernel(
     @pl.when(any_live & jnp.logical_not(held))
     def _dequantize():
         if weight_format == "mxfp4":
-            _dequantize_mxfp4(values_ref, scales_ref, wq_ref, tk=tk, half=half, valid=valid)
+            _dequantize_mxfp4(values_ref, scales_ref, wq_ref, tn=tn, tk=tk, half=half, valid=valid)
         else:
             _dequantize_int8_or_fp8(values_ref, scales_ref, wq_ref, n_i, k_i, weight_format=weight_format,
-                                    tn=tn, tk=tk, tiles_n=tiles_n, tiles_k=tiles_k, valid=valid)
+                                    tn=tn, tk=tk, tiles_k=tiles_k, valid=valid)
         key_ref[0] = group_ref[v]
 
     def accumulate(rows):

@@ -196,8 +196,9 @@ def validate_tiling(t: Tiling, m: int, k: int, n: int) -> None:
 # fp8's 128-wide scale blocks; mxfp4's [tn, tk / 32] scale block needs tk / 32
 # to be a multiple of 128 lanes (so tk a multiple of 4096) unless K is whole.
 QUANT_TK_ALIGN = {"int8": 128, "fp8": 128, "mxfp4": 4096}
-# Columns the quantized kernel dequantizes at a time (its f32 temporaries).
-QUANT_CHUNK = 512
+# Columns the quantized kernel dequantizes at a time, per 32-row block (its
+# f32 temporaries).
+QUANT_CHUNK = 2048
 
 
 def quantized_k_width(weight_format: str, tk: int) -> int:
@@ -216,7 +217,7 @@ def quantized_working_set_bytes(weight_format: str, t: Tiling, lhs_bytes: int, o
     values = t.tn * t.tk // (2 if weight_format == "mxfp4" else 1)
     scales = {"int8": 4 * t.tn, "fp8": 4 * (t.tn // 128 + 1) * (t.tk // 128 + 1), "mxfp4": t.tn * t.tk // 32}
     io = t.tm * tkw * lhs_bytes + values + scales[weight_format] + t.tm * t.tn * out_bytes
-    return 2 * io + t.tm * t.tn * 4 + t.tn * tkw * lhs_bytes + 3 * t.tn * QUANT_CHUNK * 4
+    return 2 * io + t.tm * t.tn * 4 + t.tn * tkw * lhs_bytes + 8 * 32 * QUANT_CHUNK * 4
 
 
 def choose_quantized_tiling(weight_format: str, m: int, k: int, n: int, num_groups: int, *,
@@ -243,7 +244,7 @@ def choose_quantized_tiling(weight_format: str, m: int, k: int, n: int, num_grou
         t = Tiling(t.tm, t.tk, halve_lane_aligned(t.tn))
     while not fits(t) and t.tm > 16:  # v4's 12 MiB with mxfp4's 4096-wide K tiles
         t = Tiling(t.tm // 2, t.tk, t.tn)
-    tk = t.tk if t.tk >= k else balanced_tile(k, t.tk, align)
+    tk = k if t.tk >= k else balanced_tile(k, t.tk, align)
     return Tiling(t.tm, tk, balanced_tile(n, t.tn, gen.mxu if t.tn >= gen.mxu else 128))
 
 
