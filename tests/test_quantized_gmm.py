@@ -213,3 +213,89 @@ def test_tiling_rule_keeps_format_blocks(fmt_name):
             t = tiling.choose_quantized_tiling(fmt_name, m, k, n, 8, lhs_itemsize=2, out_itemsize=4, generation=gen)
             tiling.validate_quantized_tiling(fmt_name, t, m, k, n)
             assert tiling.quantized_working_set_bytes(fmt_name, t, 2, 4) <= tiling.vmem_budget(gen), (gen, m, k, n, t)
+
+
+# ----------------------------------------------------------------------------
+# The experts program (routing -> up -> gate -> down -> combine) on quantized weights
+# ----------------------------------------------------------------------------
+
+
+def _moderate_weights(rng, fmt_name, e, n, k):
+    """Quantized weights of a plausible layer: dequantized entries ~0.1."""
+    fmt = quant_formats.weight_format(fmt_name)
+    if fmt_name == "int8":
+        values = rng.integers(-127, 128, size=fmt.values_shape(e, n, k)).astype(np.int8)
+        scales = rng.uniform(0.5e-3, 2e-3, size=fmt.scales_shape(e, n, k)).astype(np.float32)
+    elif fmt_name == "fp8":
+        values = rng.standard_normal(fmt.values_shape(e, n, k)).astype(ml_dtypes.float8_e4m3fn)
+        scales = rng.uniform(0.05, 0.2, size=fmt.scales_shape(e, n, k)).astype(np.float32)
+    else:
+        values = rng.integers(0, 256, size=fmt.values_shape(e, n, k)).astype(np.uint8)
+        scales = rng.integers(121, 125, size=fmt.scales_shape(e, n, k)).astype(np.uint8)
+    return values, scales
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("gate", ["glu_silu", "gpt_oss"])
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_experts_program_matches_the_program_on_dequantized_weights(fmt_name, gate, dtype):
+    """``program.experts_forward(weight_format=...)`` against (a) the same
+    program on the dequantized weights (bf16 / f32) and (b) the float64
+    layer on the float64-dequantized weights. gpt_oss: interleaved clamped
+    SwiGLU with both biases."""
+    from moe_experts_tpu.experts import program
+
+    rng = np.random.default_rng(SEED)
+    tokens, hidden, inter, experts, top_k = 9, 64, 96, 4, 2
+    up_v, up_s = _moderate_weights(rng, fmt_name, experts, 2 * inter, hidden)
+    down_v, down_s = _moderate_weights(rng, fmt_name, experts, hidden, inter)
+    x = np.asarray(jnp.asarray(rng.standard_normal((tokens, hidden)), dtype).astype(jnp.float32))
+    ids = np.stack([rng.permutation(experts)[:top_k] for _ in range(tokens)]).astype(np.int32)
+    ids[0, 1] = experts  # a remote (expert-parallel) pick contributes nothing
+    weights = rng.uniform(0.2, 1.0, size=(tokens, top_k)).astype(np.float32)
+    biases = {}
+    if gate == "gpt_oss":
+        biases = dict(up_bias=rng.standard_normal((experts, 2 * inter)).astype(np.float32) * 0.1,
+                      down_bias=rng.standard_normal((experts, hidden)).astype(np.float32) * 0.1)
+    interp = pallas_helpers.interpret_params()
+    got = program.experts_forward(
+        jnp.asarray(x, dtype), jnp.asarray(ids), jnp.asarray(weights), jnp.asarray(up_v), jnp.asarray(down_v),
+        **{k: jnp.asarray(v) for k, v in biases.items()}, up_scales=jnp.asarray(up_s),
+        down_scales=jnp.asarray(down_s), weight_format=fmt_name, gate=gate, interpret=interp)
+    assert got.dtype == dtype
+    up_w = reference.dequantize_weights(up_v, up_s, fmt_name)
+    down_w = reference.dequantize_weights(down_v, down_s, fmt_name)
+    dense = program.experts_forward(
+        jnp.asarray(x, dtype), jnp.asarray(ids), jnp.asarray(weights), jnp.asarray(up_w, dtype),
+        jnp.asarray(down_w, dtype), **{k: jnp.asarray(v) for k, v in biases.items()}, gate=gate,
+        interpret=interp)
+    want64 = reference.moe_experts(x, ids, weights, up_w, down_w, gate=gate, **biases)
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    assert not np.isnan(got).any()
+    scale = np.abs(want64).max()
+    tol = TOL[dtype]
+    np.testing.assert_allclose(got / scale, np.asarray(jnp.asarray(dense, jnp.float32)) / scale, rtol=0,
+                               atol=tol, err_msg=f"vs the program on dequantized weights, seed={SEED}")
+    np.testing.assert_allclose(got / scale, want64 / scale, rtol=0, atol=tol,
+                               err_msg=f"vs float64, seed={SEED}")
+
+
+def test_experts_program_refuses_quantized_misuse():
+    from moe_experts_tpu.experts import program
+
+    rng = np.random.default_rng(SEED)
+    up_v, up_s = _moderate_weights(rng, "int8", 2, 256, 128)
+    down_v, down_s = _moderate_weights(rng, "int8", 2, 128, 128)
+    args = (jnp.zeros((3, 128), jnp.bfloat16), jnp.zeros((3, 1), jnp.int32), jnp.ones((3, 1)),
+            jnp.asarray(up_v), jnp.asarray(down_v))
+    with pytest.raises(ValueError, match="fused experts kernel does not read quantized"):
+        program.experts_forward(*args, up_scales=jnp.asarray(up_s), down_scales=jnp.asarray(down_s),
+                                weight_format="int8", fused=True)
+    with pytest.raises(ValueError, match="rhs_layout='kn' is not supported"):
+        program.experts_forward(*args, up_scales=jnp.asarray(up_s), down_scales=jnp.asarray(down_s),
+                                weight_format="int8", rhs_layout="kn")
+    with pytest.raises(ValueError, match="rhs_scales must be"):
+        program.experts_forward(*args, up_scales=jnp.asarray(down_s), down_scales=jnp.asarray(down_s),
+                                weight_format="int8")
+    with pytest.raises(ValueError, match="without weight_format"):
+        program.experts_forward(*args, up_scales=jnp.asarray(up_s))
