@@ -299,3 +299,26 @@ def test_experts_program_refuses_quantized_misuse():
                                 weight_format="int8")
     with pytest.raises(ValueError, match="without weight_format"):
         program.experts_forward(*args, up_scales=jnp.asarray(up_s))
+
+
+# ----------------------------------------------------------------------------
+# Ahead-of-time compilation for real TPU generations (libtpu, no TPU attached)
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("generation", ["v4", "v5e", "v5p", "v6e", "tpu7x"])
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_compiles_for_tpu_generations(fmt_name, generation):
+    """Each format lowers through Mosaic on every generation, at a small
+    gpt-oss-like shape (K = 2880: mxfp4's scales 90 lanes wide, K not a
+    multiple of 128) with the rule's tiles. The full model x tokens matrix
+    is bench/aot_quantized.py."""
+    pytest.importorskip("libtpu")
+    from ragged_dot_tpu.common import aot
+
+    fmt = quant_formats.weight_format(fmt_name)
+    m, k, n, g = 64, 2880, 384, 4
+    aot.compile_for(generation, lambda x, v, s, gs: pallas_gmm.gmm(
+        x, v, gs, rhs_scales=s, weight_format=fmt_name, generation=generation),
+        ((m, k), jnp.bfloat16), (fmt.values_shape(g, n, k), jnp.dtype(fmt.values_dtype)),
+        (fmt.scales_shape(g, n, k), jnp.dtype(fmt.scales_dtype)), ((g,), jnp.int32))
