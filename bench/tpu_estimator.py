@@ -435,17 +435,6 @@ def interpret(jaxpr, inputs, *, grid_index, grid, steps, conds=None, active=None
                 for b, br in enumerate(branches):  # nested conds: recorded where this branch runs
                     interpret(br.jaxpr, ins[1:], grid_index=grid_index, grid=grid, steps=steps,
                               conds=conds, active=active & (branch == b), trace=trace)
-            elif trace is not None:
-                # A predicate read from what the kernel itself wrote (a scratch
-                # key, e.g. the quantized gmm's "tile already dequantized"):
-                # the loops of every branch are charged as if it ran on each
-                # active step (an upper bound; one trip otherwise); its DMAs,
-                # unknowable, are not recorded.
-                dmas = len(trace.dmas)
-                for br in branches:
-                    interpret(br.jaxpr, ins[1:], grid_index=grid_index, grid=grid, steps=steps,
-                              conds=None, active=active, trace=trace)
-                del trace.dmas[dmas:]
         elif name in ("scan", "while") and trace is not None:
             _interpret_loop(e, ins, trace, grid_index=grid_index, grid=grid, steps=steps, active=active)
         elif name in ("dma_start", "dma_wait") and trace is not None:

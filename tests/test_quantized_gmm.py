@@ -93,11 +93,15 @@ def inputs(rng, fmt_name, m, k, n, num_groups, kind, dtype, num_local=None, extr
 
 
 # (m, k, n, groups, kind, tiling, extreme): whole-K rule tiles, unaligned
-# dims, split K and N (tails past K and N).
+# dims, split K and N (tails past K and N), one group over four row tiles
+# (the dequantized tile reused by its later visits).
 CASES = {
-    "int8": [(37, 200, 136, 4, "with_zeros", None, "low"), (64, 384, 320, 3, "random", (16, 256, 256), "low")],
-    "fp8": [(37, 200, 136, 4, "with_zeros", None, "low"), (64, 384, 320, 3, "random", (16, 256, 256), "low")],
+    "int8": [(37, 200, 136, 4, "with_zeros", None, "low"), (64, 384, 320, 3, "random", (16, 256, 256), "low"),
+             (64, 384, 320, 3, "one_huge", (16, 384, 256), "low")],
+    "fp8": [(37, 200, 136, 4, "with_zeros", None, "low"), (64, 384, 320, 3, "random", (16, 256, 256), "low"),
+            (64, 384, 320, 3, "one_huge", (16, 384, 256), "low")],
     "mxfp4": [(37, 224, 136, 4, "with_zeros", None, "low"), (40, 160, 136, 3, "random", None, "high"),
+              (64, 384, 320, 3, "one_huge", (16, 384, 256), "low"),
               (24, 8192 + 64, 130, 2, "random", (16, 4096, 128), "low")],
 }
 

@@ -10,8 +10,8 @@ In VMEM a step dequantizes its tile into a scratch tile of the lhs dtype,
 ``QUANT_CHUNK`` columns at a time (bounded f32 temporaries), then runs the
 MXU dot with f32 accumulation. With a whole-K tile the scratch tile is kept
 across the consecutive visits of one group (a group of 2048 rows in 512-row
-tiles is dequantized once, not four times); a SMEM key names the group whose
-tile it holds. Per format:
+tiles is dequantized once, not four times; ``dequantizing_visits``). Per
+format:
 
 * int8: values converted exactly; the per-output-channel scale multiplies
   the f32 accumulator columns once, at the store (exact products, one
@@ -145,11 +145,24 @@ def _dequantize_mxfp4(values_ref, scales_ref, wq_ref, *, tn, tk, half, valid):
     _for_row_blocks(tn, block)
 
 
+def dequantizing_visits(seg, num_local: int, tiles_k: int):
+    """1 for the visits that dequantize their weight tile, 0 for those that
+    reuse the one in VMEM: a local visit following a visit of the same group
+    (the local visits are one contiguous run), with a whole-K tile. A table
+    of the wrapper rather than a key in scratch, so that the TPU estimator
+    knows which steps dequantize."""
+    local = (seg > 0) & (seg <= num_local)
+    if tiles_k > 1:
+        return local.astype(jnp.int32)
+    previous = jnp.concatenate([jnp.full((1,), -1, seg.dtype), seg[:-1]])
+    return (local & (previous != seg)).astype(jnp.int32)
+
+
 def _qgmm_kernel(
-    seg_ref, tile_ref, seg_start_ref, seg_end_ref, group_ref,  # scalar prefetch (SMEM)
+    seg_ref, tile_ref, seg_start_ref, seg_end_ref, _group_ref, dequantize_ref,  # scalar prefetch (SMEM)
     lhs_ref, values_ref, scales_ref,  # inputs (VMEM)
     out_ref,
-    acc_ref, wq_ref, key_ref,  # f32 accumulator, dequantized tile, group held by wq_ref (SMEM)
+    acc_ref, wq_ref,  # f32 accumulator, dequantized tile
     *, weight_format: str, tm: int, tn: int, tk: int, k: int, tiles_n: int, tiles_k: int,
     num_segments: int, row_chunk: int, half: int,
 ):
@@ -168,22 +181,16 @@ def _qgmm_kernel(
         first_row = tile_ref[v] * tm + c * row_chunk
         chunks.append((slice(c * row_chunk, (c + 1) * row_chunk),
                        is_local & (first_row < end) & (first_row + row_chunk > start)))
-    any_live = functools.reduce(jnp.logical_or, [live for _, live in chunks])
 
-    @pl.when(v == 0)
-    def _forget():  # a new column tile (or a core's first step): the scratch tile is stale
-        key_ref[0] = -1
-
-    held = (key_ref[0] == group_ref[v]) if tiles_k == 1 else False
-
-    @pl.when(any_live & jnp.logical_not(held))
+    # Visit 0 starts a column tile (and a core's share of them under
+    # megacore): the table marks it whenever it is local.
+    @pl.when(dequantize_ref[v] == 1)
     def _dequantize():
         if weight_format == "mxfp4":
             _dequantize_mxfp4(values_ref, scales_ref, wq_ref, tn=tn, tk=tk, half=half, valid=valid)
         else:
             _dequantize_int8_or_fp8(values_ref, scales_ref, wq_ref, n_i, k_i, weight_format=weight_format,
                                     tn=tn, tk=tk, tiles_k=tiles_k, valid=valid)
-        key_ref[0] = group_ref[v]
 
     def accumulate(rows):
         x = lhs_ref[rows, :]
@@ -225,25 +232,26 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
 
     seg, tile, num_visits, seg_starts, seg_ends, weight_group = forward_visits(
         group_sizes, group_offset, num_local, m=m, tm=tm)
+    dequantize = dequantizing_visits(seg, num_local, tiles_k)
 
     if weight_format == "mxfp4":
         lhs = quantized.split_even_odd(lhs, tk, tiles_k, half)
         values_block = (pl.Squeezed(), tn, tk // 2)
         scales_spec = pl.BlockSpec((pl.Squeezed(), tn, tk // MXFP4_BLOCK),
-                                   lambda n_i, v, k_i, s, tl, a, b, g: (g[v], n_i, k_i))
+                                   lambda n_i, v, k_i, s, tl, a, b, g, dq: (g[v], n_i, k_i))
     elif weight_format == "fp8":
         values_block = (pl.Squeezed(), tn, tk)
         blocks_n = tiles_n * cdiv(tn, FP8_BLOCK)
         if scales.shape[1] < blocks_n:  # a partial last column tile reads whole blocks of scale rows
             scales = jnp.pad(scales, ((0, 0), (0, blocks_n - scales.shape[1]), (0, 0)))
         scales_spec = pl.BlockSpec((pl.Squeezed(), *scales.shape[1:]),
-                                   lambda n_i, v, k_i, s, tl, a, b, g: (g[v], 0, 0))
+                                   lambda n_i, v, k_i, s, tl, a, b, g, dq: (g[v], 0, 0))
     else:
         values_block = (pl.Squeezed(), tn, tk)
         scales = scales.reshape(num_local, 1, n)
-        scales_spec = pl.BlockSpec((pl.Squeezed(), 1, tn), lambda n_i, v, k_i, s, tl, a, b, g: (g[v], 0, n_i))
+        scales_spec = pl.BlockSpec((pl.Squeezed(), 1, tn), lambda n_i, v, k_i, s, tl, a, b, g, dq: (g[v], 0, n_i))
     lhs_spec = pl.BlockSpec((tm, tkw), lambda n_i, v, k_i, s, tl, *_: (tl[v], k_i))
-    values_spec = pl.BlockSpec(values_block, lambda n_i, v, k_i, s, tl, a, b, g: (g[v], n_i, k_i))
+    values_spec = pl.BlockSpec(values_block, lambda n_i, v, k_i, s, tl, a, b, g, dq: (g[v], n_i, k_i))
     out_spec = pl.BlockSpec((tm, tn), lambda n_i, v, k_i, s, tl, *_: (tl[v], n_i))
 
     kernel = functools.partial(
@@ -262,16 +270,15 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
         kernel,
         out_shape=out_struct((m, n), out_dtype, lhs, values, group_sizes),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5, grid=(tiles_n, num_visits, tiles_k),
+            num_scalar_prefetch=6, grid=(tiles_n, num_visits, tiles_k),
             in_specs=[lhs_spec, values_spec, scales_spec], out_specs=out_spec,
-            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32), pltpu.VMEM((tn, tkw), lhs.dtype),
-                            pltpu.SMEM((1,), jnp.int32)],
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32), pltpu.VMEM((tn, tkw), lhs.dtype)],
         ),
         compiler_params=compiler_params(generation, ("parallel", "arbitrary", "arbitrary"),
                                         large_vmem=large_vmem),
         interpret=interpret, cost_estimate=cost, name=f"ragged_dot_gmm_{weight_format}",
     )
-    return call(seg, tile, seg_starts, seg_ends, weight_group, lhs, values, scales)
+    return call(seg, tile, seg_starts, seg_ends, weight_group, dequantize, lhs, values, scales)
 
 
 def generation_allows_large_vmem(generation) -> bool:
