@@ -13,9 +13,11 @@ across the consecutive visits of one group (a group of 2048 rows in 512-row
 tiles is dequantized once, not four times; ``dequantizing_visits``). Per
 format:
 
-* int8: values converted exactly; the per-output-channel scale multiplies
-  the f32 accumulator columns once, at the store (exact products, one
-  rounding fewer than scaling the weights).
+* int8: no dequantized copy: the int8 tile goes into the dot as it is
+  (Mosaic converts it, exactly, on its way into the MXU) and the
+  per-output-channel scale multiplies the f32 accumulator columns once, at
+  the store (exact products). Estimated on v6e, Qwen3-30B-A3B 8 tokens:
+  153 us, against 200 us when the kernel dequantized the tile itself.
 * fp8: e4m3 values times their 128 x 128 block scale, in f32, rounded once
   to the lhs dtype: the same weight ``dequantize(.., dtype)`` produces. The
   scale varies along K every 128 columns, so applying it to the f32 partial
@@ -184,7 +186,6 @@ def _qgmm_kernel(
 
     # Visit 0 starts a column tile (and a core's share of them under
     # megacore): the table marks it whenever it is local.
-    @pl.when(dequantize_ref[v] == 1)
     def _dequantize():
         if weight_format == "mxfp4":
             _dequantize_mxfp4(values_ref, scales_ref, wq_ref, tn=tn, tk=tk, half=half, valid=valid)
@@ -192,11 +193,17 @@ def _qgmm_kernel(
             _dequantize_int8_or_fp8(values_ref, scales_ref, wq_ref, n_i, k_i, weight_format=weight_format,
                                     tn=tn, tk=tk, tiles_k=tiles_k, valid=valid)
 
+    if weight_format != "int8":
+        pl.when(dequantize_ref[v] == 1)(_dequantize)
+
     def accumulate(rows):
         x = lhs_ref[rows, :]
         if valid is not None and weight_format != "mxfp4":  # mxfp4's lhs is zero-padded
             x = zero_past(x, 1, valid)
-        acc_ref[rows, :] += dot_f32(x, wq_ref[...], 1, 1)
+        # int8 goes into the dot as it is (exact in bf16; Mosaic converts it
+        # on the way into the MXU): no dequantized copy in VMEM.
+        w = values_ref[...] if weight_format == "int8" else wq_ref[...]
+        acc_ref[rows, :] += dot_f32(x, w, 1, 1)
 
     for rows, live in chunks:
         pl.when(live)(functools.partial(accumulate, rows))
@@ -272,7 +279,8 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6, grid=(tiles_n, num_visits, tiles_k),
             in_specs=[lhs_spec, values_spec, scales_spec], out_specs=out_spec,
-            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32), pltpu.VMEM((tn, tkw), lhs.dtype)],
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32),
+                            pltpu.VMEM((8, 128) if weight_format == "int8" else (tn, tkw), lhs.dtype)],
         ),
         compiler_params=compiler_params(generation, ("parallel", "arbitrary", "arbitrary"),
                                         large_vmem=large_vmem),

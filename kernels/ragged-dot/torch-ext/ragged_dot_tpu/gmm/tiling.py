@@ -222,7 +222,8 @@ def quantized_working_set_bytes(weight_format: str, t: Tiling, lhs_bytes: int, o
     values = t.tn * t.tk // (2 if weight_format == "mxfp4" else 1)
     scales = {"int8": 4 * t.tn, "fp8": 4 * (t.tn // 128 + 1) * (t.tk // 128 + 1), "mxfp4": t.tn * t.tk // 32}
     io = t.tm * tkw * lhs_bytes + values + scales[weight_format] + t.tm * t.tn * out_bytes
-    return 2 * io + t.tm * t.tn * 4 + t.tn * tkw * lhs_bytes + 8 * 32 * QUANT_CHUNK * 4
+    dequantized = 0 if weight_format == "int8" else t.tn * tkw * lhs_bytes  # int8 feeds the dot directly
+    return 2 * io + t.tm * t.tn * 4 + dequantized + 8 * 32 * QUANT_CHUNK * 4
 
 
 def choose_quantized_tiling(weight_format: str, m: int, k: int, n: int, num_groups: int, *,
