@@ -223,6 +223,8 @@ def quantized_working_set_bytes(weight_format: str, t: Tiling, lhs_bytes: int, o
     scales = {"int8": 4 * t.tn, "fp8": 4 * (t.tn // 128 + 1) * (t.tk // 128 + 1), "mxfp4": t.tn * t.tk // 32}
     io = t.tm * tkw * lhs_bytes + values + scales[weight_format] + t.tm * t.tn * out_bytes
     dequantized = 0 if weight_format == "int8" else t.tn * tkw * lhs_bytes  # int8 feeds the dot directly
+    if weight_format == "fp8":  # its block scales expanded along K, per 128-row group
+        dequantized += 4 * (t.tn // 1024 + 1) * 8 * t.tk
     return 2 * io + t.tm * t.tn * 4 + dequantized + 8 * 32 * QUANT_CHUNK * 4
 
 
