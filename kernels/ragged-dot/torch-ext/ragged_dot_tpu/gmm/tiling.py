@@ -55,6 +55,9 @@ Figures: ``python bench/bench_tpu_estimates.py --chips v6e v5e --models
 mixtral-8x7b gpt-oss-20b qwen3-30b-a3b --tokens 512 4096 --contenders ours
 "ours fused"`` before and after (table in ``bench/results/tpu_estimates.md``).
 
+Quantized weights (``pallas_qgmm``) have their own rule, ``choose_quantized_tiling``
+(the section at the end of this module; docs/quantized_kernels.md).
+
 A caller overrides the rule with all three sizes at once (``tiling=(tm, tk,
 tn)``), checked by ``validate_tiling``; there is no partial override.
 """
