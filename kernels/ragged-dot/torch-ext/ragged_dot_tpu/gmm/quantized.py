@@ -58,13 +58,16 @@ def check_quantized_gmm_args(lhs, values, scales, weight_format: str, rhs_layout
 
 
 def e2m1_to_f32(codes):
-    """float32 values of e2m1 codes (int32 in [0, 16)), from bits: for a
-    magnitude code c >= 2 the float32 bits are ``(c << 22) + (126 << 23)``
-    (exponent ``c >> 1`` biased, mantissa bit ``c & 1``); c = 1 is 0.5."""
+    """float32 values of e2m1 codes (int32 in [0, 16)), from bits: a
+    magnitude code c placed as ``(c << 22) + (126 << 23)`` reads as
+    ``2 ** ((c >> 1) - 1) * (1 + (c & 1) / 2)``, right for c >= 2; for c = 0, 1
+    it reads 0.5, 0.75 and ``2 x - 1`` gives 0, 0.5 (exact). The sign bit
+    moves to bit 31."""
     c3 = codes & 7
-    normal = lax.bitcast_convert_type((c3 << 22) + (126 << 23), jnp.float32)
-    magnitude = jnp.where(c3 >= 2, normal, c3.astype(jnp.float32) * 0.5)
-    return jnp.where((codes & 8) != 0, -magnitude, magnitude)
+    value = lax.bitcast_convert_type((c3 << 22) + (126 << 23), jnp.float32)
+    value = jnp.where(c3 < 2, value * 2.0 - 1.0, value)
+    sign = (codes & 8) << 28
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(value, jnp.int32) | sign, jnp.float32)
 
 
 def e8m0_to_f32(codes):

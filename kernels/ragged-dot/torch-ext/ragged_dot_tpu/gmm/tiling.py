@@ -206,7 +206,7 @@ QUANT_TK_ALIGN = {"int8": 128, "fp8": 128, "mxfp4": 4096}
 QUANT_TN_MAX = {"v5e": 4096, "v6e": 4096, "tpu7x": 4096}
 # Columns the quantized kernel dequantizes at a time, per 32-row block (its
 # f32 temporaries).
-QUANT_CHUNK = 2048
+QUANT_CHUNK = 1024
 
 
 def quantized_k_width(weight_format: str, tk: int) -> int:
@@ -228,7 +228,7 @@ def quantized_working_set_bytes(weight_format: str, t: Tiling, lhs_bytes: int, o
     dequantized = 0 if weight_format == "int8" else t.tn * tkw * lhs_bytes  # int8 feeds the dot directly
     if weight_format == "fp8":  # its block scales expanded along K, per 128-row group
         dequantized += 4 * (t.tn // 1024 + 1) * 8 * t.tk
-    return 2 * io + t.tm * t.tn * 4 + dequantized + 8 * 32 * QUANT_CHUNK * 4
+    return 2 * io + t.tm * t.tn * 4 + dequantized + 6 * 128 * QUANT_CHUNK * 4
 
 
 def choose_quantized_tiling(weight_format: str, m: int, k: int, n: int, num_groups: int, *,
