@@ -37,6 +37,32 @@ def weight_grad(lhs, dout, group_sizes, num_local, rhs_layout="nk", group_offset
     return grad.transpose(0, 2, 1) if rhs_layout == "nk" else grad
 
 
+# e2m1 (MXFP4 element) code -> value, bit 3 the sign (OCP MX spec, table 5).
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def dequantize_weights(values, scales, weight_format):
+    """The float64 ``[E, N, K]`` weight of quantized ``values`` / ``scales``:
+    int8 per output channel, fp8 e4m3 with 128 x 128 block scales, mxfp4
+    (two e2m1 codes per byte along K, low nibble first; e8m0 scale per 32)."""
+    values, scales = np.asarray(values), np.asarray(scales)
+    if weight_format == "int8":
+        return values.astype(np.float64) * scales.astype(np.float64)[..., None]
+    if weight_format == "fp8":
+        import ml_dtypes
+
+        w = values.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+        n, k = w.shape[-2:]
+        s = scales.astype(np.float64).repeat(128, axis=-2).repeat(128, axis=-1)[..., :n, :k]
+        return w * s
+    if weight_format == "mxfp4":
+        packed = values.astype(np.uint8)
+        codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+        scale = 2.0 ** (scales.astype(np.float64) - 127)
+        return _E2M1[codes] * scale.repeat(32, axis=-1)
+    raise ValueError(weight_format)
+
+
 def random_group_sizes(rng, num_groups, m, kind):
     """Group sizes for the scenarios the kernels must get right."""
     if kind == "random":

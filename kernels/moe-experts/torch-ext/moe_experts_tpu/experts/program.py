@@ -16,6 +16,13 @@ experts). Where both apply the fused kernel never moves more bytes and does
 the same MXU work, so it is always the one taken (the roofline model in
 bench/bench_experts.py: equal at decode, 1.1x at 1024 tokens, 1.4x at 4096).
 
+Quantized weights (``weight_format`` "int8" | "fp8" | "mxfp4", values in
+``up_weight`` / ``down_weight`` stored "nk", scales in ``up_scales`` /
+``down_scales``: ``common.quant_formats``) always take the two grouped
+matmuls (``pallas_qgmm``: each weight tile dequantized in VMEM); the fused
+kernel reads bf16 / f32 weights only. Activations stay in the hidden
+states' dtype (bf16, or f32 for f32 hidden states).
+
 The gate is named, not traced from the module, because a JAX program cannot
 call the module's torch code: ``module_layout.gate_of_module`` maps the module
 to a name of ``gates.py`` or raises NotImplementedError, so nothing silently
@@ -39,6 +46,9 @@ def experts_forward(
     up_bias=None,  # [E, N1]
     down_bias=None,  # [E, H]
     *,
+    up_scales=None,
+    down_scales=None,
+    weight_format: str | None = None,
     gate: str = "glu_silu",
     alpha: float = 1.702,
     limit: float = 7.0,
@@ -62,6 +72,14 @@ def experts_forward(
     remote = (sorted_ids >= num_experts)[:, None]
     safe_ids = jnp.minimum(sorted_ids, num_experts - 1)
 
+    if weight_format is not None:
+        return _quantized_experts(hidden_states, order, sorted_ids, group_sizes, top_k_weights, top_k,
+                                  up_weight, down_weight, up_bias, down_bias, up_scales, down_scales,
+                                  weight_format=weight_format, gate=gate, alpha=alpha, limit=limit,
+                                  rhs_layout=rhs_layout, fused=fused, generation=generation,
+                                  out_dtype=out_dtype, interpret=interpret)
+    if up_scales is not None or down_scales is not None:
+        raise ValueError("up_scales / down_scales given without weight_format ('int8', 'fp8' or 'mxfp4')")
     x = hidden_states[order // top_k].astype(up_weight.dtype)
     fused_tm = fused_kernel_row_tile(x.shape[0], up_weight, down_weight, up_bias, down_bias,
                                      gate, rhs_layout, generation)
@@ -80,6 +98,34 @@ def experts_forward(
         h = h + up_bias[safe_ids].astype(jnp.float32)
     act = apply_gate(h, gate, alpha, limit).astype(down_weight.dtype)
     out = pallas_gmm.gmm(act, down_weight, group_sizes, rhs_layout=rhs_layout,
+                         out_dtype=jnp.float32, generation=generation, interpret=interpret)
+    if down_bias is not None:
+        out = out + down_bias[safe_ids].astype(jnp.float32)
+    return _combine(out, order, remote, top_k_weights, num_tokens, top_k, hidden, out_dtype)
+
+
+def _quantized_experts(hidden_states, order, sorted_ids, group_sizes, top_k_weights, top_k, up_weight,
+                       down_weight, up_bias, down_bias, up_scales, down_scales, *, weight_format, gate, alpha,
+                       limit, rhs_layout, fused, generation, out_dtype, interpret):
+    """The two grouped matmuls on quantized weights (see the module docstring)."""
+    if fused:
+        raise ValueError(f"fused=True: the fused experts kernel does not read quantized weights "
+                         f"(weight_format={weight_format!r}); leave fused=None")
+    if rhs_layout != "nk":
+        raise ValueError(f"quantized weights (weight_format={weight_format!r}) are stored \"nk\"; "
+                         f"rhs_layout={rhs_layout!r} is not supported")
+    num_tokens, hidden = hidden_states.shape
+    num_experts = up_weight.shape[0]
+    remote = (sorted_ids >= num_experts)[:, None]
+    safe_ids = jnp.minimum(sorted_ids, num_experts - 1)
+    act_dtype = jnp.float32 if hidden_states.dtype == jnp.float32 else jnp.bfloat16
+    x = hidden_states[order // top_k].astype(act_dtype)
+    h = pallas_gmm.gmm(x, up_weight, group_sizes, rhs_scales=up_scales, weight_format=weight_format,
+                       out_dtype=jnp.float32, generation=generation, interpret=interpret)
+    if up_bias is not None:
+        h = h + up_bias[safe_ids].astype(jnp.float32)
+    act = apply_gate(h, gate, alpha, limit).astype(act_dtype)
+    out = pallas_gmm.gmm(act, down_weight, group_sizes, rhs_scales=down_scales, weight_format=weight_format,
                          out_dtype=jnp.float32, generation=generation, interpret=interpret)
     if down_bias is not None:
         out = out + down_bias[safe_ids].astype(jnp.float32)

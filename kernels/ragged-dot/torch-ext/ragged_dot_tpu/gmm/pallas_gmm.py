@@ -194,8 +194,23 @@ def gmm(
     tiling: tiling_lib.Tiling | tuple[int, int, int] | None = None,
     generation: str | None = None,
     interpret=False,
+    rhs_scales: jax.Array | None = None,
+    weight_format: str | None = None,
 ) -> jax.Array:
-    """Grouped matmul. See the module docstring; inputs are assumed valid."""
+    """Grouped matmul. See the module docstring; inputs are assumed valid.
+
+    ``weight_format`` ("int8", "fp8", "mxfp4": ``common.quant_formats``)
+    makes ``rhs`` that format's values ("nk" only) and ``rhs_scales`` its
+    scales: the kernel of ``pallas_qgmm``, whose arguments are checked."""
+    if weight_format is not None:
+        from . import pallas_qgmm  # imports this module: a late import
+
+        return pallas_qgmm.gmm_quantized(
+            lhs, rhs, rhs_scales, group_sizes, weight_format=weight_format, rhs_layout=rhs_layout,
+            group_offset=group_offset, out_dtype=out_dtype, tiling=tiling, generation=generation,
+            interpret=interpret)
+    if rhs_scales is not None:
+        raise ValueError("rhs_scales given without weight_format (one of 'int8', 'fp8', 'mxfp4')")
     m, k = lhs.shape
     num_local = rhs.shape[0]
     n = layouts.out_features(rhs.shape, rhs_layout)

@@ -77,6 +77,9 @@ Figures: ``python bench/bench_tpu_estimates.py --chips v6e v5e --models
 mixtral-8x7b gpt-oss-20b qwen3-30b-a3b --tokens 512 4096 --contenders ours
 "ours fused"`` before and after (table in ``bench/results/tpu_estimates.md``).
 
+Quantized weights (``pallas_qgmm``) have their own rule, ``choose_quantized_tiling``
+(the section at the end of this module; docs/quantized_kernels.md).
+
 A caller overrides the rule with all three sizes at once (``tiling=(tm, tk,
 tn)``), checked by ``validate_tiling``; there is no partial override.
 """
@@ -227,3 +230,81 @@ def validate_tiling(t: Tiling, m: int, k: int, n: int) -> None:
             raise ValueError(f"tiling: {name} must be a positive multiple of 128 or the full "
                              f"dimension {dim}, got {size}")
 
+
+
+# ----------------------------------------------------------------------------
+# Quantized weights (int8, fp8, mxfp4: common.quant_formats), forward only
+# ----------------------------------------------------------------------------
+
+# A split K must keep each format's blocks whole and its blocks lane-legal:
+# fp8's 128-wide scale blocks; mxfp4's [tn, tk / 32] scale block needs tk / 32
+# to be a multiple of 128 lanes (so tk a multiple of 4096) unless K is whole.
+QUANT_TK_ALIGN = {"int8": 128, "fp8": 128, "mxfp4": 4096}
+# Widest output tile of the quantized rule. At decode a step reads a quarter
+# to a half of the bf16 bytes, so the per-step cost weighs more: whole-N
+# tiles (TPU estimator, v6e, Qwen3-30B-A3B 8 tokens, int8, tm 16: up / down
+# tiles 768 / 1024 wide 163 us, 1536 / 2048 wide 153 us, roofline 145 us).
+QUANT_TN_MAX = {"v5e": 4096, "v6e": 4096, "tpu7x": 4096}
+# Columns the quantized kernel dequantizes at a time, per 32-row block (its
+# f32 temporaries).
+QUANT_CHUNK = 1024
+
+
+def quantized_k_width(weight_format: str, tk: int) -> int:
+    """Columns of the kernel's lhs block and dequantized tile: ``tk``, or for
+    mxfp4 two halves (even k, odd k) each padded to whole lanes."""
+    if weight_format != "mxfp4":
+        return tk
+    return 2 * -(-(tk // 2) // 128) * 128
+
+
+def quantized_working_set_bytes(weight_format: str, t: Tiling, lhs_bytes: int, out_bytes: int) -> int:
+    """Double-buffered lhs, values, scales and out tiles, the f32 accumulator,
+    the dequantized tile (kept across the visits of one group) and the f32
+    temporaries of one dequantized chunk."""
+    tkw = quantized_k_width(weight_format, t.tk)
+    values = t.tn * t.tk // (2 if weight_format == "mxfp4" else 1)
+    scales = {"int8": 4 * t.tn, "fp8": 4 * (t.tn // 128 + 1) * (t.tk // 128 + 1), "mxfp4": t.tn * t.tk // 32}
+    io = t.tm * tkw * lhs_bytes + values + scales[weight_format] + t.tm * t.tn * out_bytes
+    dequantized = 0 if weight_format == "int8" else t.tn * tkw * lhs_bytes  # int8 feeds the dot directly
+    if weight_format == "fp8":  # its block scales expanded along K, per 128-row group
+        dequantized += 4 * (t.tn // 1024 + 1) * 8 * t.tk
+    return 2 * io + t.tm * t.tn * 4 + dequantized + 6 * 128 * QUANT_CHUNK * 4
+
+
+def choose_quantized_tiling(weight_format: str, m: int, k: int, n: int, num_groups: int, *,
+                            lhs_itemsize: int, out_itemsize: int, generation: str | None = None) -> Tiling:
+    """The bf16 rule's row tile and whole-K, wide-N tiles, narrowed to the
+    VMEM budget (tn first, down to TN_KEEP_K, then tk in the format's
+    alignment, then tn, then tm)."""
+    gen = tpu_generations.get_generation(generation)
+    caps = TILE_CAPS[gen.name]
+    align = QUANT_TK_ALIGN[weight_format]
+    t = Tiling(row_tile(m, num_groups, min(lhs_itemsize, out_itemsize), gen.name),
+               k if k <= caps.tk_max else max(align, caps.tk_max // align * align),
+               min(n, QUANT_TN_MAX.get(gen.name, caps.tn_max)))
+    budget = vmem_budget(gen.name)
+
+    def fits(t):
+        return quantized_working_set_bytes(weight_format, t, lhs_itemsize, out_itemsize) <= budget
+
+    keep_k = TN_KEEP_K.get(gen.name, gen.mxu)
+    while t.tn > keep_k and not fits(t):
+        t = Tiling(t.tm, t.tk, max(keep_k, halve_lane_aligned(t.tn)))
+    while not fits(t) and t.tk > align:
+        t = Tiling(t.tm, max(align, (t.tk // 2) // align * align), t.tn)
+    while not fits(t) and t.tn > 128:
+        t = Tiling(t.tm, t.tk, halve_lane_aligned(t.tn))
+    while not fits(t) and t.tm > 16:  # v4's 12 MiB with mxfp4's 4096-wide K tiles
+        t = Tiling(t.tm // 2, t.tk, t.tn)
+    tk = k if t.tk >= k else balanced_tile(k, t.tk, align)
+    return Tiling(t.tm, tk, balanced_tile(n, t.tn, gen.mxu if t.tn >= gen.mxu else 128))
+
+
+def validate_quantized_tiling(weight_format: str, t: Tiling, m: int, k: int, n: int) -> None:
+    """``validate_tiling`` plus the format's K alignment (``QUANT_TK_ALIGN``)."""
+    validate_tiling(t, m, k, n)
+    align = QUANT_TK_ALIGN[weight_format]
+    if t.tk != k and t.tk % align:
+        raise ValueError(f"tiling: {weight_format} weights need tk a multiple of {align} or the "
+                         f"whole K={k}, got {t.tk}")

@@ -1,0 +1,316 @@
+"""The grouped matmul forward with quantized weights (int8, fp8, mxfp4).
+
+``gmm_quantized(lhs, values, scales, group_sizes, weight_format=...)`` is
+``pallas_gmm.gmm`` on ``dequantize(values, scales)``: the same visits (row
+segments of the local groups, zeros outside the window, empty groups cost
+nothing), but the weights stay in their format in HBM and a grid step reads
+``tn x tk`` values (1 byte, mxfp4 half a byte) plus their scales.
+
+In VMEM a step dequantizes its tile into a scratch tile of the lhs dtype,
+``QUANT_CHUNK`` columns at a time (bounded f32 temporaries), then runs the
+MXU dot with f32 accumulation. With a whole-K tile the scratch tile is kept
+across the consecutive visits of one group (a group of 2048 rows in 512-row
+tiles is dequantized once, not four times; ``dequantizing_visits``). Per
+format:
+
+* int8: no dequantized copy: the int8 tile goes into the dot as it is
+  (Mosaic converts it, exactly, on its way into the MXU) and the
+  per-output-channel scale multiplies the f32 accumulator columns once, at
+  the store (exact products). Estimated on v6e, Qwen3-30B-A3B 8 tokens:
+  153 us, against 200 us when the kernel dequantized the tile itself.
+* fp8: e4m3 values times their 128 x 128 block scale, in f32, rounded once
+  to the lhs dtype: the same weight ``dequantize(.., dtype)`` produces. The
+  scale varies along K every 128 columns, so applying it to the f32 partial
+  products instead would split the dot into K = 128 pieces (half the MXU
+  depth of v6e, and four times the result updates); the rounding costs at
+  most 2**-9 relative per weight in bf16, the error a bf16 copy of the
+  weights has anyway. A step reads its expert's whole ``[N/128, K/128]``
+  scale block (a few KB, fetched once per expert) and expands its rows
+  along K by one small one-hot matmul (``_expand_fp8_scales``). The e4m3 ->
+  f32 conversion is then most of a step's VPU time on v5e / v6e (no fp8
+  units): estimated v6e Qwen3-30B-A3B 8 tokens 447 us, against 293 us for
+  bf16 (an integer bit decode of the e4m3 bits was slower still).
+* mxfp4: e2m1 codes and e8m0 exponents decoded from bits, their product is
+  exact in bf16. The two nibbles of a byte are k = 2j and 2j + 1; rather than
+  interleave lanes in VMEM, the wrapper reorders lhs per K tile into [even k
+  | odd k] (each half padded to whole lanes) and the kernel writes the
+  dequantized tile as [low nibbles | high nibbles]: the contraction is the
+  same sum. The e8m0 scale of 16 bytes is repeated along lanes by one
+  in-vreg lane gather per 128 columns. Decoding is VPU work of about ten
+  operations a weight: estimated v6e Qwen3-30B-A3B 8 tokens 609 us, bf16
+  293 us.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ..common import quant_formats
+from ..common.pallas_helpers import compiler_params, dot_f32, out_struct, zero_past
+from ..common.tile_math import cdiv
+from . import quantized, tiling as tiling_lib
+from .pallas_gmm import forward_visits, store_visit_rows
+
+FP8_BLOCK = quant_formats.FORMATS["fp8"].block_k  # 128 (both dims)
+MXFP4_BLOCK = quant_formats.FORMATS["mxfp4"].block_k  # 32 values, 16 packed bytes
+# Weight rows dequantized at a time (a multiple of the 32-row native tile of
+# 8-bit values, dividing fp8's 128-row scale blocks). A block costs a fixed
+# ~150 cycles besides its elements: estimated v6e Qwen3-30B-A3B 8 tokens,
+# 32 rows (x 2048 columns) mxfp4 783 us, fp8 485 us; 128 rows (x 1024)
+# 609 / 447 us; 256 rows (x 512) 608 / 441 us.
+ROW_BLOCK = 128
+
+
+def _mask_cols(w, first_col, valid):
+    """Zeros the columns of chunk ``w`` (starting at tile column ``first_col``)
+    at or past ``valid``: the garbage past K of a split K's last tile."""
+    cols = first_col + lax.broadcasted_iota(jnp.int32, w.shape, 1)
+    return jnp.where(cols < valid, w, jnp.zeros_like(w))
+
+
+def _for_row_blocks(tn: int, body):
+    """``body(rows)`` over the tile's rows, ``ROW_BLOCK`` at a time (a loop, so
+    that the f32 temporaries of one block are all that is live), then the
+    static tail of ``tn % ROW_BLOCK`` rows."""
+    full = tn // ROW_BLOCK
+    if full:
+        def step(i, carry):
+            body(pl.ds(pl.multiple_of(i * ROW_BLOCK, ROW_BLOCK), ROW_BLOCK))
+            return carry
+
+        lax.fori_loop(0, full, step, 0)
+    if tn % ROW_BLOCK:
+        body(pl.ds(full * ROW_BLOCK, tn % ROW_BLOCK))
+
+
+def _column_chunks(width: int):
+    return [(c0, min(tiling_lib.QUANT_CHUNK, width - c0)) for c0 in range(0, width, tiling_lib.QUANT_CHUNK)]
+
+
+def _expand_fp8_scales(scales_ref, expanded_ref, n_i, k_i, *, tn, tk, tiles_n):
+    """``expanded_ref[r, c]``: the scale of the tile's 128-row group ``r`` at
+    tile column ``c``, by one small matmul with a one-hot ``[K/128, tk]``
+    matrix (exact at HIGHEST precision: each output is one scale times 1).
+    A lane broadcast per 128 columns and 32 rows cost twice the dequantization
+    itself (estimated, v6e)."""
+    blocks_n = cdiv(tn, FP8_BLOCK)
+    first = pl.ds(pl.multiple_of(n_i * blocks_n, blocks_n), blocks_n) if tiles_n > 1 else pl.ds(0, blocks_n)
+    s = scales_ref[first, :]  # [blocks_n, K / 128]
+    blocks_k = -(-s.shape[1] // 128) * 128
+    if blocks_k != s.shape[1]:
+        s = jnp.concatenate([s, jnp.zeros((blocks_n, blocks_k - s.shape[1]), s.dtype)], axis=1)
+    column = k_i * tk + lax.broadcasted_iota(jnp.int32, (blocks_k, tk), 1)
+    one_hot = (lax.shift_right_logical(column, 7) == lax.broadcasted_iota(jnp.int32, (blocks_k, tk), 0))
+    expanded_ref[:blocks_n, :] = lax.dot_general(
+        s, one_hot.astype(jnp.float32), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+        precision=lax.Precision.HIGHEST)
+
+
+def _dequantize_int8_or_fp8(values_ref, expanded_ref, wq_ref, *, weight_format, tn, tk, valid):
+    def block(rows):
+        if weight_format == "fp8":
+            # ROW_BLOCK divides 128: the rows share one 128-row group's scales.
+            # (lax.div: a traced // lowers through sign, which Mosaic cannot lower off a TPU host)
+            s_row = expanded_ref[pl.ds(lax.div(rows.start, FP8_BLOCK), 1), :]  # [1, tk]
+        for c0, width in _column_chunks(tk):
+            w = values_ref[rows, c0:c0 + width].astype(jnp.float32)
+            if weight_format == "fp8":
+                w = w * s_row[:, c0:c0 + width]
+            if valid is not None:
+                w = _mask_cols(w, c0, valid)
+            wq_ref[rows, c0:c0 + width] = w.astype(wq_ref.dtype)
+
+    _for_row_blocks(tn, block)
+
+
+def _e8m0_scales_per_byte(scales_ref, rows, first_byte: int, width: int):
+    """float32 scales of packed columns ``[first_byte, first_byte + width)``
+    (one e8m0 code per 16 bytes), repeated along lanes with one in-vreg lane
+    gather per 128 columns: a vreg of scale codes holds the scales of 16
+    vregs of bytes. (A broadcast-reshape repeat cost about 1000 cycles a step
+    more on v6e, estimated at Qwen3-30B-A3B decode.)"""
+    s = quantized.e8m0_to_f32(scales_ref[rows, :].astype(jnp.int32))  # [rows, K / 32]
+    padded = -(-s.shape[1] // 128) * 128
+    if padded != s.shape[1]:
+        s = jnp.concatenate([s, jnp.zeros((s.shape[0], padded - s.shape[1]), s.dtype)], axis=1)
+    group_of_lane = lax.shift_right_logical(lax.broadcasted_iota(jnp.int32, (s.shape[0], 128), 1), 4)
+    pieces = []
+    for j in range(first_byte // 128, -(-(first_byte + width) // 128)):
+        source = s[:, (j // 16) * 128:(j // 16 + 1) * 128]
+        pieces.append(jnp.take_along_axis(source, group_of_lane + 8 * (j % 16), axis=1,
+                                          mode="promise_in_bounds"))
+    out = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)
+    return out[:, :width]
+
+
+def _dequantize_mxfp4(values_ref, scales_ref, wq_ref, *, tn, tk, half, valid):
+    packed_cols = tk // 2
+
+    def block(rows):
+        for c0, width in _column_chunks(packed_cols):
+            even, odd = quantized.unpack_e2m1(values_ref[rows, c0:c0 + width])
+            s = _e8m0_scales_per_byte(scales_ref, rows, c0, width)
+            for offset, nibbles in ((0, even), (half, odd)):
+                w = quantized.e2m1_to_f32(nibbles) * s
+                if valid is not None:
+                    w = _mask_cols(w, c0, lax.div(valid, 2))
+                wq_ref[rows, offset + c0:offset + c0 + width] = w.astype(wq_ref.dtype)
+        if half > packed_cols:  # lane padding of each half: zeros, never stale VMEM
+            pad = jnp.zeros((rows.size, half - packed_cols), wq_ref.dtype)
+            wq_ref[rows, packed_cols:half] = pad
+            wq_ref[rows, half + packed_cols:] = pad
+
+    _for_row_blocks(tn, block)
+
+
+def dequantizing_visits(seg, num_local: int, tiles_k: int):
+    """1 for the visits that dequantize their weight tile, 0 for those that
+    reuse the one in VMEM: a local visit following a visit of the same group
+    (the local visits are one contiguous run), with a whole-K tile. A table
+    of the wrapper rather than a key in scratch, so that the TPU estimator
+    knows which steps dequantize."""
+    local = (seg > 0) & (seg <= num_local)
+    if tiles_k > 1:
+        return local.astype(jnp.int32)
+    previous = jnp.concatenate([jnp.full((1,), -1, seg.dtype), seg[:-1]])
+    return (local & (previous != seg)).astype(jnp.int32)
+
+
+def _qgmm_kernel(
+    seg_ref, tile_ref, seg_start_ref, seg_end_ref, _group_ref, dequantize_ref,  # scalar prefetch (SMEM)
+    lhs_ref, values_ref, scales_ref,  # inputs (VMEM)
+    out_ref,
+    acc_ref, wq_ref, *expanded_ref,  # f32 accumulator, dequantized tile, fp8: expanded scales
+    weight_format: str, tm: int, tn: int, tk: int, k: int, tiles_n: int, tiles_k: int,
+    num_segments: int, row_chunk: int, half: int,
+):
+    n_i, v, k_i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    seg = seg_ref[v]
+    is_local = (seg > 0) & (seg < num_segments - 1)
+    start, end = seg_start_ref[seg], seg_end_ref[seg]
+    valid = (k - k_i * tk) if k % tk else None  # columns of this K tile inside K
+
+    @pl.when(k_i == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    chunks = []
+    for c in range(tm // row_chunk):
+        first_row = tile_ref[v] * tm + c * row_chunk
+        chunks.append((slice(c * row_chunk, (c + 1) * row_chunk),
+                       is_local & (first_row < end) & (first_row + row_chunk > start)))
+
+    # Visit 0 starts a column tile (and a core's share of them under
+    # megacore): the table marks it whenever it is local.
+    def _dequantize():
+        if weight_format == "mxfp4":
+            _dequantize_mxfp4(values_ref, scales_ref, wq_ref, tn=tn, tk=tk, half=half, valid=valid)
+        else:
+            _expand_fp8_scales(scales_ref, expanded_ref[0], n_i, k_i, tn=tn, tk=tk, tiles_n=tiles_n)
+            _dequantize_int8_or_fp8(values_ref, expanded_ref[0], wq_ref, weight_format=weight_format,
+                                    tn=tn, tk=tk, valid=valid)
+
+    if weight_format != "int8":
+        pl.when(dequantize_ref[v] == 1)(_dequantize)
+
+    def accumulate(rows):
+        x = lhs_ref[rows, :]
+        if valid is not None and weight_format != "mxfp4":  # mxfp4's lhs is zero-padded
+            x = zero_past(x, 1, valid)
+        # int8 goes into the dot as it is (exact in bf16; Mosaic converts it
+        # on the way into the MXU): no dequantized copy in VMEM.
+        w = values_ref[...] if weight_format == "int8" else wq_ref[...]
+        acc_ref[rows, :] += dot_f32(x, w, 1, 1)
+
+    for rows, live in chunks:
+        pl.when(live)(functools.partial(accumulate, rows))
+
+    @pl.when(k_i == tiles_k - 1)
+    def _store():
+        value = acc_ref[...]
+        if weight_format == "int8":
+            value = value * scales_ref[...]  # [1, tn]: one scale per output column
+        store_visit_rows(out_ref, value, v, tile_ref, tm, start, end)
+
+
+def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_layout: str = "nk",
+                  group_offset=0, out_dtype=None, tiling=None, generation=None, interpret=False):
+    """``lhs @ dequantize(values, scales)^T`` per group (see the module docstring)."""
+    quantized.check_quantized_gmm_args(lhs, values, scales, weight_format, rhs_layout)
+    m, k = lhs.shape
+    num_local, n = values.shape[:2]
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    if 0 in (m, k, n):
+        return jnp.zeros((m, n), out_dtype)
+    if tiling is None:
+        t = tiling_lib.choose_quantized_tiling(weight_format, m, k, n, num_local,
+                                               lhs_itemsize=lhs.dtype.itemsize,
+                                               out_itemsize=out_dtype.itemsize, generation=generation)
+    else:
+        t = tiling if isinstance(tiling, tiling_lib.Tiling) else tiling_lib.Tiling(*tiling)
+        tiling_lib.validate_quantized_tiling(weight_format, t, m, k, n)
+    tm, tk, tn = t.as_tuple()
+    tiles_k, tiles_n = cdiv(k, tk), cdiv(n, tn)
+    tkw = tiling_lib.quantized_k_width(weight_format, tk)
+    half = tkw // 2
+
+    seg, tile, num_visits, seg_starts, seg_ends, weight_group = forward_visits(
+        group_sizes, group_offset, num_local, m=m, tm=tm)
+    dequantize = dequantizing_visits(seg, num_local, tiles_k)
+
+    if weight_format == "mxfp4":
+        lhs = quantized.split_even_odd(lhs, tk, tiles_k, half)
+        values_block = (pl.Squeezed(), tn, tk // 2)
+        scales_spec = pl.BlockSpec((pl.Squeezed(), tn, tk // MXFP4_BLOCK),
+                                   lambda n_i, v, k_i, s, tl, a, b, g, dq: (g[v], n_i, k_i))
+    elif weight_format == "fp8":
+        values_block = (pl.Squeezed(), tn, tk)
+        blocks_n = tiles_n * cdiv(tn, FP8_BLOCK)
+        if scales.shape[1] < blocks_n:  # a partial last column tile reads whole blocks of scale rows
+            scales = jnp.pad(scales, ((0, 0), (0, blocks_n - scales.shape[1]), (0, 0)))
+        scales_spec = pl.BlockSpec((pl.Squeezed(), *scales.shape[1:]),
+                                   lambda n_i, v, k_i, s, tl, a, b, g, dq: (g[v], 0, 0))
+    else:
+        values_block = (pl.Squeezed(), tn, tk)
+        scales = scales.reshape(num_local, 1, n)
+        scales_spec = pl.BlockSpec((pl.Squeezed(), 1, tn), lambda n_i, v, k_i, s, tl, a, b, g, dq: (g[v], 0, n_i))
+    lhs_spec = pl.BlockSpec((tm, tkw), lambda n_i, v, k_i, s, tl, *_: (tl[v], k_i))
+    values_spec = pl.BlockSpec(values_block, lambda n_i, v, k_i, s, tl, a, b, g, dq: (g[v], n_i, k_i))
+    out_spec = pl.BlockSpec((tm, tn), lambda n_i, v, k_i, s, tl, *_: (tl[v], n_i))
+
+    kernel = functools.partial(
+        _qgmm_kernel, weight_format=weight_format, tm=tm, tn=tn, tk=tk, k=k, tiles_n=tiles_n,
+        tiles_k=tiles_k, num_segments=num_local + 2, row_chunk=tiling_lib.row_chunk(tm, generation),
+        half=half)
+    fmt = quant_formats.weight_format(weight_format)
+    cost = pl.CostEstimate(
+        flops=2 * m * k * n, transcendentals=0,
+        bytes_accessed=(lhs.size * lhs.dtype.itemsize * tiles_n + fmt.hbm_bytes(min(num_local, m), n, k)
+                        + m * n * out_dtype.itemsize))
+    large_vmem = tiling_lib.quantized_working_set_bytes(
+        weight_format, t, lhs.dtype.itemsize, out_dtype.itemsize) > tiling_lib.tpu_generations.get_generation(
+            generation).vmem_budget and generation_allows_large_vmem(generation)
+    call = pl.pallas_call(
+        kernel,
+        out_shape=out_struct((m, n), out_dtype, lhs, values, group_sizes),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=6, grid=(tiles_n, num_visits, tiles_k),
+            in_specs=[lhs_spec, values_spec, scales_spec], out_specs=out_spec,
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32),
+                            pltpu.VMEM((8, 128) if weight_format == "int8" else (tn, tkw), lhs.dtype)]
+            + ([pltpu.VMEM((-(-cdiv(tn, FP8_BLOCK) // 8) * 8, tk), jnp.float32)] if weight_format == "fp8" else []),
+        ),
+        compiler_params=compiler_params(generation, ("parallel", "arbitrary", "arbitrary"),
+                                        large_vmem=large_vmem),
+        interpret=interpret, cost_estimate=cost, name=f"ragged_dot_gmm_{weight_format}",
+    )
+    return call(seg, tile, seg_starts, seg_ends, weight_group, dequantize, lhs, values, scales)
+
+
+def generation_allows_large_vmem(generation) -> bool:
+    return tiling_lib.tpu_generations.get_generation(generation).name in tiling_lib.TN_KEEP_K

@@ -1,0 +1,329 @@
+"""The grouped matmul with quantized weights (int8, fp8, mxfp4) in interpret
+mode against dequantize-then-matmul in float64 (tests/reference.py).
+
+Values and scales are drawn over each format's whole range, extremes
+included: int8 +-127, fp8 subnormals and +-448, e8m0 codes 20 to 254 in the
+matmuls (254 with magnitudes <= 0.5 and a scaled-down lhs, so that f32 sums
+stay finite) and 2 to 254 in the decoders (products below 2**-126 are
+flushed on a TPU). The interpreter poisons memory, so an unwritten output
+element or an unmasked tail reads NaN and fails.
+
+Measured error (the largest of |got - want| / (max|w| of the output column
+* max|lhs| * sqrt(K)), 3 seeds x the first two CASES of each format):
+f32 int8 3e-7, fp8 8e-8, mxfp4 6e-8 (f32 accumulation only); bf16 (lhs and
+output bf16) int8 1.7e-3, fp8 6.7e-4, mxfp4 7.1e-4 (the bf16 rounding of the
+output; the weights are exact in bf16 but for fp8's value * scale).
+Tolerances: 1e-5 (f32) and 1e-2 (bf16).
+"""
+
+import os
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import reference
+from ragged_dot_tpu.common import pallas_helpers, quant_formats
+from ragged_dot_tpu.gmm import pallas_gmm, quantized, tiling
+
+SEED = int(os.environ.get("TEST_SEED", np.random.SeedSequence().entropy % (2**31)))
+FORMATS = ["int8", "fp8", "mxfp4"]
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+
+
+def random_weights(rng, fmt_name, e, n, k, extreme="low"):
+    """(values, scales) covering the format's range, as numpy arrays. mxfp4's
+    output row 0 gets the extreme e8m0 codes: 20-23 (``extreme="low"``) or
+    250-254 with magnitudes <= 0.5 (``"high"``: the caller scales lhs down
+    so that the f32 sums stay finite)."""
+    fmt = quant_formats.weight_format(fmt_name)
+    vshape, sshape = fmt.values_shape(e, n, k), fmt.scales_shape(e, n, k)
+    if fmt_name == "int8":
+        values = rng.integers(-127, 128, size=vshape).astype(np.int8)
+        values[..., 0] = 127
+        values[..., -1] = -127
+        scales = (10.0 ** rng.uniform(-4, 1, size=sshape)).astype(np.float32)
+    elif fmt_name == "fp8":
+        bits = rng.integers(0, 256, size=vshape).astype(np.uint8)
+        bits[(bits & 0x7F) == 0x7F] = 0x7E  # no NaN: +-448, the largest finite
+        bits[:, 0, :16] = np.arange(16, dtype=np.uint8) | (0x80 * (np.arange(16) % 2)).astype(np.uint8)  # subnormals
+        values = bits.view(ml_dtypes.float8_e4m3fn)
+        scales = (2.0 ** rng.uniform(-20, 4, size=sshape)).astype(np.float32)
+    else:
+        values = rng.integers(0, 256, size=vshape).astype(np.uint8)
+        scales = rng.integers(117, 138, size=sshape).astype(np.uint8)
+        if extreme == "low":
+            # Weights down to 2**-108: their products with lhs entries of
+            # N(0, 1) stay normal float32 (the TPU and XLA:CPU flush
+            # subnormals); test_dequantize_is_exact covers codes down to 2.
+            scales[:, 0, :] = rng.integers(20, 24, size=scales[:, 0, :].shape)
+        else:
+            scales[:, 0, :] = rng.integers(250, 255, size=scales[:, 0, :].shape)
+            nibbles = rng.integers(0, 2, size=(2, *values[:, 0, :].shape)) | (8 * rng.integers(0, 2, size=(2, *values[:, 0, :].shape)))
+            values[:, 0, :] = (nibbles[0] | (nibbles[1] << 4)).astype(np.uint8)
+    return values, scales
+
+
+def run_gmm(lhs, values, scales, sizes, fmt_name, dtype, **kw):
+    return pallas_gmm.gmm(jnp.asarray(lhs, dtype), jnp.asarray(values), jnp.asarray(sizes),
+                          rhs_scales=jnp.asarray(scales), weight_format=fmt_name,
+                          interpret=pallas_helpers.interpret_params(), **kw)
+
+
+def assert_matches(got, lhs, w, sizes, dtype, group_offset=0, what=""):
+    want = reference.ragged_dot(lhs, w, sizes, "nk", group_offset)
+    got = np.asarray(jnp.asarray(got).astype(jnp.float32), dtype=np.float64)
+    assert not np.isnan(got).any(), f"{what}: NaN (unwritten or unmasked) elements, seed={SEED}"
+    # Per output column: its weights' magnitude times sqrt(K) (row scales of
+    # mxfp4 span 2**-126 .. 2**127, one global scale would hide the small ones).
+    col_scale = np.abs(w).max(axis=(0, 2)) * np.abs(lhs).max() * np.sqrt(lhs.shape[1])
+    col_scale = np.where(col_scale > 0, col_scale, 1.0)
+    err = np.abs(got - want) / col_scale
+    assert err.max() <= TOL[dtype], f"{what}: max scaled error {err.max():.3g}, seed={SEED}"
+    return err.max()
+
+
+def inputs(rng, fmt_name, m, k, n, num_groups, kind, dtype, num_local=None, extreme="low"):
+    num_local = num_groups if num_local is None else num_local
+    sizes = reference.random_group_sizes(rng, num_groups, m, kind).astype(np.int32)
+    lhs = rng.standard_normal((m, k)) * (2.0 ** -8 if extreme == "high" else 1.0)
+    lhs = np.asarray(jnp.asarray(lhs, dtype).astype(jnp.float32), np.float64)
+    values, scales = random_weights(rng, fmt_name, num_local, n, k, extreme)
+    return lhs, values, scales, sizes
+
+
+# (m, k, n, groups, kind, tiling, extreme): whole-K rule tiles, unaligned
+# dims, split K and N (tails past K and N), one group over four row tiles
+# (the dequantized tile reused by its later visits).
+CASES = {
+    "int8": [(37, 200, 136, 4, "with_zeros", None, "low"), (64, 384, 320, 3, "random", (16, 256, 256), "low"),
+             (64, 384, 320, 3, "one_huge", (16, 384, 256), "low")],
+    "fp8": [(37, 200, 136, 4, "with_zeros", None, "low"), (64, 384, 320, 3, "random", (16, 256, 256), "low"),
+            (64, 384, 320, 3, "one_huge", (16, 384, 256), "low")],
+    "mxfp4": [(37, 224, 136, 4, "with_zeros", None, "low"), (40, 160, 136, 3, "random", None, "high"),
+              (64, 384, 320, 3, "one_huge", (16, 384, 256), "low"),
+              (24, 8192 + 64, 130, 2, "random", (16, 4096, 128), "low")],
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_matches_float64_dequantized(fmt_name, dtype):
+    rng = np.random.default_rng(SEED)
+    for m, k, n, g, kind, t, extreme in CASES[fmt_name]:
+        lhs, values, scales, sizes = inputs(rng, fmt_name, m, k, n, g, kind, dtype, extreme=extreme)
+        got = run_gmm(lhs, values, scales, sizes, fmt_name, dtype, tiling=t)
+        w = reference.dequantize_weights(values, scales, fmt_name)
+        assert_matches(got, lhs, w, sizes, dtype, what=f"{fmt_name} {(m, k, n, g, kind, t)}")
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_dequantize_is_exact(fmt_name):
+    """The XLA dequantize (the kernel's decoders) equals the float64 one
+    exactly in float32, every code: all 256 int8 / e4m3 bit patterns but NaN,
+    all e2m1 pairs with e8m0 codes 2 .. 254."""
+    rng = np.random.default_rng(SEED)
+    if fmt_name == "mxfp4":
+        values = np.tile(np.arange(256, dtype=np.uint8), (2, 253, 1))  # [2, 253, 256]: K = 512
+        scales = np.repeat(np.arange(2, 255, dtype=np.uint8)[None, :, None], 16, axis=2).repeat(2, axis=0)
+    else:
+        values, scales = random_weights(rng, fmt_name, 2, 256, 256)
+        bits = np.arange(256, dtype=np.uint8)
+        bits[bits == 0xFF] = 0xFE
+        bits[bits == 0x7F] = 0x7E
+        values[0, 0, :] = bits.view(values.dtype)
+    got = quantized.dequantize(jnp.asarray(values), jnp.asarray(scales), fmt_name, jnp.float32)
+    want = reference.dequantize_weights(values, scales, fmt_name)
+    np.testing.assert_array_equal(np.asarray(got, np.float64), want.astype(np.float32).astype(np.float64))
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_window_of_local_groups_and_empty_groups(fmt_name):
+    """Expert parallelism: groups [offset, offset + local) are computed, every
+    other row (and every row past sum(group_sizes)) is zero; also with no
+    rows in the window at all."""
+    rng = np.random.default_rng(SEED)
+    m, k, n, g, local = 40, 256, 136, 6, 3
+    for kind, offset in (("random", 2), ("with_zeros", 1), ("all_empty", 0), ("sum_below_m", 3)):
+        lhs, values, scales, sizes = inputs(rng, fmt_name, m, k, n, g, kind, jnp.bfloat16, num_local=local)
+        got = run_gmm(lhs, values, scales, sizes, fmt_name, jnp.bfloat16, group_offset=offset)
+        w = reference.dequantize_weights(values, scales, fmt_name)
+        assert_matches(got, lhs, w, sizes, jnp.bfloat16, offset, what=f"{fmt_name} {kind} offset={offset}")
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_poisoned_output_every_element_written(fmt_name):
+    """Row tiles shared by several groups and a zero suffix, in the poisoning
+    interpreter: any element the kernel does not write reads back NaN."""
+    rng = np.random.default_rng(SEED)
+    sizes = np.array([3, 0, 21, 5, 0], np.int32)  # 29 of 48 rows; tm 16 splits the groups mid-tile
+    lhs, values, scales, _ = inputs(rng, fmt_name, 48, 256, 256, 5, "random", jnp.float32)
+    got = np.asarray(run_gmm(lhs, values, scales, sizes, fmt_name, jnp.float32, tiling=(16, 256, 128)))
+    assert not np.isnan(got).any()
+    assert (got[29:] == 0).all()
+    assert_matches(got, lhs, reference.dequantize_weights(values, scales, fmt_name), sizes, jnp.float32)
+
+
+def _args(fmt_name, e=2, n=128, k=256, m=8):
+    fmt = quant_formats.weight_format(fmt_name)
+    lhs = jnp.zeros((m, k), jnp.bfloat16)
+    values = jnp.zeros(fmt.values_shape(e, n, k), fmt.values_dtype)
+    scales = jnp.zeros(fmt.scales_shape(e, n, k), fmt.scales_dtype)
+    return lhs, values, scales, jnp.array([4, 4], jnp.int32)
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_bad_arguments_raise_clear_errors(fmt_name):
+    lhs, values, scales, sizes = _args(fmt_name)
+    with pytest.raises(ValueError, match="rhs_layout='kn' is not supported"):
+        pallas_gmm.gmm(lhs, values, sizes, rhs_scales=scales, weight_format=fmt_name, rhs_layout="kn")
+    with pytest.raises(ValueError, match="rhs_scales must be"):
+        pallas_gmm.gmm(lhs, values, sizes, rhs_scales=scales[:1], weight_format=fmt_name)
+    with pytest.raises(ValueError, match="rhs_scales must be"):
+        pallas_gmm.gmm(lhs, values, sizes, rhs_scales=scales.astype(jnp.float16), weight_format=fmt_name)
+    with pytest.raises(ValueError, match="rhs_scales is required"):
+        pallas_gmm.gmm(lhs, values, sizes, weight_format=fmt_name)
+    with pytest.raises(ValueError, match=r"rhs \(\w+ values\) must be"):
+        pallas_gmm.gmm(lhs, values.astype(jnp.float32), sizes, rhs_scales=scales, weight_format=fmt_name)
+    with pytest.raises(ValueError, match="must have shape"):
+        pallas_gmm.gmm(lhs[:, :128], values, sizes, rhs_scales=scales, weight_format=fmt_name)
+    with pytest.raises(ValueError, match="lhs must be bfloat16 or float32"):
+        pallas_gmm.gmm(lhs.astype(jnp.float16), values, sizes, rhs_scales=scales, weight_format=fmt_name)
+    with pytest.raises(ValueError, match="tk"):
+        pallas_gmm.gmm(lhs, values, sizes, rhs_scales=scales, weight_format=fmt_name, tiling=(8, 200, 128))
+    if fmt_name == "mxfp4":  # a 128-multiple that splits mxfp4's scale blocks across lanes
+        with pytest.raises(ValueError, match="need tk a multiple of 4096"):
+            pallas_gmm.gmm(lhs, values, sizes, rhs_scales=scales, weight_format=fmt_name, tiling=(8, 128, 128))
+
+
+def test_bad_format_name_and_mxfp4_k():
+    lhs, values, scales, sizes = _args("int8")
+    with pytest.raises(ValueError, match="weight format must be one of"):
+        pallas_gmm.gmm(lhs, values, sizes, rhs_scales=scales, weight_format="int4")
+    with pytest.raises(ValueError, match="rhs_scales given without weight_format"):
+        pallas_gmm.gmm(lhs, values, sizes, rhs_scales=scales)
+    lhs, values, scales, sizes = _args("mxfp4", k=256)
+    with pytest.raises(ValueError, match="in_features divisible by 32"):
+        pallas_gmm.gmm(jnp.zeros((8, 240), jnp.bfloat16), values[..., :120], sizes, rhs_scales=scales,
+                       weight_format="mxfp4")
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_tiling_rule_keeps_format_blocks(fmt_name):
+    """The rule's tiles are legal blocks of the format and fit the budget, from
+    decode to prefill on every generation."""
+    for gen in tiling.TILE_CAPS:
+        for m, k, n in ((8, 2048, 1536), (4096, 2880, 5760), (512, 14336, 4096), (64, 7168, 4096), (32, 18432, 7168)):
+            t = tiling.choose_quantized_tiling(fmt_name, m, k, n, 8, lhs_itemsize=2, out_itemsize=4, generation=gen)
+            tiling.validate_quantized_tiling(fmt_name, t, m, k, n)
+            assert tiling.quantized_working_set_bytes(fmt_name, t, 2, 4) <= tiling.vmem_budget(gen), (gen, m, k, n, t)
+
+
+# ----------------------------------------------------------------------------
+# The experts program (routing -> up -> gate -> down -> combine) on quantized weights
+# ----------------------------------------------------------------------------
+
+
+def _moderate_weights(rng, fmt_name, e, n, k):
+    """Quantized weights of a plausible layer: dequantized entries ~0.1."""
+    fmt = quant_formats.weight_format(fmt_name)
+    if fmt_name == "int8":
+        values = rng.integers(-127, 128, size=fmt.values_shape(e, n, k)).astype(np.int8)
+        scales = rng.uniform(0.5e-3, 2e-3, size=fmt.scales_shape(e, n, k)).astype(np.float32)
+    elif fmt_name == "fp8":
+        values = rng.standard_normal(fmt.values_shape(e, n, k)).astype(ml_dtypes.float8_e4m3fn)
+        scales = rng.uniform(0.05, 0.2, size=fmt.scales_shape(e, n, k)).astype(np.float32)
+    else:
+        values = rng.integers(0, 256, size=fmt.values_shape(e, n, k)).astype(np.uint8)
+        scales = rng.integers(121, 125, size=fmt.scales_shape(e, n, k)).astype(np.uint8)
+    return values, scales
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("gate", ["glu_silu", "gpt_oss"])
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_experts_program_matches_the_program_on_dequantized_weights(fmt_name, gate, dtype):
+    """``program.experts_forward(weight_format=...)`` against (a) the same
+    program on the dequantized weights (bf16 / f32) and (b) the float64
+    layer on the float64-dequantized weights. gpt_oss: interleaved clamped
+    SwiGLU with both biases."""
+    from moe_experts_tpu.experts import program
+
+    rng = np.random.default_rng(SEED)
+    tokens, hidden, inter, experts, top_k = 9, 64, 96, 4, 2
+    up_v, up_s = _moderate_weights(rng, fmt_name, experts, 2 * inter, hidden)
+    down_v, down_s = _moderate_weights(rng, fmt_name, experts, hidden, inter)
+    x = np.asarray(jnp.asarray(rng.standard_normal((tokens, hidden)), dtype).astype(jnp.float32))
+    ids = np.stack([rng.permutation(experts)[:top_k] for _ in range(tokens)]).astype(np.int32)
+    ids[0, 1] = experts  # a remote (expert-parallel) pick contributes nothing
+    weights = rng.uniform(0.2, 1.0, size=(tokens, top_k)).astype(np.float32)
+    biases = {}
+    if gate == "gpt_oss":
+        biases = dict(up_bias=rng.standard_normal((experts, 2 * inter)).astype(np.float32) * 0.1,
+                      down_bias=rng.standard_normal((experts, hidden)).astype(np.float32) * 0.1)
+    interp = pallas_helpers.interpret_params()
+    got = program.experts_forward(
+        jnp.asarray(x, dtype), jnp.asarray(ids), jnp.asarray(weights), jnp.asarray(up_v), jnp.asarray(down_v),
+        **{k: jnp.asarray(v) for k, v in biases.items()}, up_scales=jnp.asarray(up_s),
+        down_scales=jnp.asarray(down_s), weight_format=fmt_name, gate=gate, interpret=interp)
+    assert got.dtype == dtype
+    up_w = reference.dequantize_weights(up_v, up_s, fmt_name)
+    down_w = reference.dequantize_weights(down_v, down_s, fmt_name)
+    dense = program.experts_forward(
+        jnp.asarray(x, dtype), jnp.asarray(ids), jnp.asarray(weights), jnp.asarray(up_w, dtype),
+        jnp.asarray(down_w, dtype), **{k: jnp.asarray(v) for k, v in biases.items()}, gate=gate,
+        interpret=interp)
+    want64 = reference.moe_experts(x, ids, weights, up_w, down_w, gate=gate, **biases)
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    assert not np.isnan(got).any()
+    scale = np.abs(want64).max()
+    tol = TOL[dtype]
+    np.testing.assert_allclose(got / scale, np.asarray(jnp.asarray(dense, jnp.float32)) / scale, rtol=0,
+                               atol=tol, err_msg=f"vs the program on dequantized weights, seed={SEED}")
+    np.testing.assert_allclose(got / scale, want64 / scale, rtol=0, atol=tol,
+                               err_msg=f"vs float64, seed={SEED}")
+
+
+def test_experts_program_refuses_quantized_misuse():
+    from moe_experts_tpu.experts import program
+
+    rng = np.random.default_rng(SEED)
+    up_v, up_s = _moderate_weights(rng, "int8", 2, 256, 128)
+    down_v, down_s = _moderate_weights(rng, "int8", 2, 128, 128)
+    args = (jnp.zeros((3, 128), jnp.bfloat16), jnp.zeros((3, 1), jnp.int32), jnp.ones((3, 1)),
+            jnp.asarray(up_v), jnp.asarray(down_v))
+    with pytest.raises(ValueError, match="fused experts kernel does not read quantized"):
+        program.experts_forward(*args, up_scales=jnp.asarray(up_s), down_scales=jnp.asarray(down_s),
+                                weight_format="int8", fused=True)
+    with pytest.raises(ValueError, match="rhs_layout='kn' is not supported"):
+        program.experts_forward(*args, up_scales=jnp.asarray(up_s), down_scales=jnp.asarray(down_s),
+                                weight_format="int8", rhs_layout="kn")
+    with pytest.raises(ValueError, match="rhs_scales must be"):
+        program.experts_forward(*args, up_scales=jnp.asarray(down_s), down_scales=jnp.asarray(down_s),
+                                weight_format="int8")
+    with pytest.raises(ValueError, match="without weight_format"):
+        program.experts_forward(*args, up_scales=jnp.asarray(up_s))
+
+
+# ----------------------------------------------------------------------------
+# Ahead-of-time compilation for real TPU generations (libtpu, no TPU attached)
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("generation", ["v4", "v5e", "v5p", "v6e", "tpu7x"])
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_compiles_for_tpu_generations(fmt_name, generation):
+    """Each format lowers through Mosaic on every generation, at a small
+    gpt-oss-like shape (K = 2880: mxfp4's scales 90 lanes wide, K not a
+    multiple of 128) with the rule's tiles. The full model x tokens matrix
+    is bench/aot_quantized.py."""
+    pytest.importorskip("libtpu")
+    from ragged_dot_tpu.common import aot
+
+    fmt = quant_formats.weight_format(fmt_name)
+    m, k, n, g = 64, 2880, 384, 4
+    aot.compile_for(generation, lambda x, v, s, gs: pallas_gmm.gmm(
+        x, v, gs, rhs_scales=s, weight_format=fmt_name, generation=generation),
+        ((m, k), jnp.bfloat16), (fmt.values_shape(g, n, k), jnp.dtype(fmt.values_dtype)),
+        (fmt.scales_shape(g, n, k), jnp.dtype(fmt.scales_dtype)), ((g,), jnp.int32))
