@@ -71,6 +71,9 @@ def _check_mesh(mesh, axis: str, tokens: str):
 
 def _program_args(module):
     """``module_layout.program_args``; a ValueError for a layer the program cannot express."""
+    if module_layout.weight_format(module):
+        _fail(f"module ({type(module).__name__}) holds {module_layout.weight_format(module)} quantized weights, "
+              "which the SPMD program does not take yet")
     try:
         return module_layout.program_args(module)
     except NotImplementedError as e:
