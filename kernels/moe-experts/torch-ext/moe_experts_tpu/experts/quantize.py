@@ -109,8 +109,9 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     quant_formats.FORMATS["mxfp4"].check_shape(k)
     blocks = w.view(e, n, k // MX_BLOCK, MX_BLOCK)
     amax = blocks.abs().amax(dim=-1)
-    exponent = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp(min=torch.finfo(torch.float32).tiny))) - 2,
-                           torch.full_like(amax, -quant_formats.E8M0_BIAS))
+    # floor(log2(amax)) exactly, from the float's own exponent (f32 log2 rounds 2^128 - ulp up to 128).
+    floor_log2 = (torch.frexp(amax).exponent - 1).to(torch.float32)
+    exponent = torch.where(amax > 0, floor_log2 - 2, torch.full_like(amax, -quant_formats.E8M0_BIAS))
     exponent = exponent.clamp(-quant_formats.E8M0_BIAS, quant_formats.E8M0_BIAS)
     codes = _e2m1_codes(blocks / torch.exp2(exponent)[..., None]).view(e, n, k)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)  # even k in the low nibble
