@@ -310,3 +310,24 @@ def test_program_args_carry_the_values_scales_and_format():
     assert set(params) == set(forward.EXPERTS_PROGRAM.names)
     bf16 = module_layout.program_args(tiny_experts.build("gpt_oss", SEED, **SIZES))
     assert (bf16.weight_format, bf16.up_scales, bf16.down_scales) == ("", None, None)
+
+
+def test_quantizing_frees_the_float_weights():
+    import gc
+    import weakref
+
+    module = tiny_experts.build("gpt_oss", SEED, dtype=torch.bfloat16, **SIZES)
+    old = [weakref.ref(module.gate_up_proj), weakref.ref(module.down_proj)]
+    quantize.quantize_experts(module, "mxfp4")
+    gc.collect()
+    assert all(ref() is None for ref in old)
+
+
+def test_expert_parallel_refuses_a_quantized_module():
+    import jax
+
+    module = quantize.quantize_experts(tiny_experts.build("qwen3_moe", SEED, **SIZES), "int8")
+    x, index, weights = tokens(module, 4, SEED, dtype=torch.float32)
+    mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices("cpu")[:1])
+    with pytest.raises(ValueError, match="holds int8 quantized weights, which the SPMD program does not take"):
+        moe_experts_tpu.expert_parallel_experts_forward(module, x, index, weights, mesh=mesh, axis="ep")
