@@ -15,6 +15,11 @@ Four implementations of the same math, routed by ``DISPATCH`` (the rule of
   fake kernels), with a one-time warning naming what the program refused;
 * ``"interpret_program"`` (``fused_experts_forward_interpret``): the TPU
   program on CPU in Pallas interpret mode.
+
+A module quantized by ``quantize.py`` (int8, fp8, mxfp4 values and scales)
+takes the same routes: the program gets the values, scales and format; the
+CPU chunks and the composed path dequantize in torch (the chunks only their
+own experts); values or scales that require a gradient are refused.
 """
 
 from __future__ import annotations
