@@ -96,6 +96,8 @@ def _program_args(module, *tokens):
 
 
 STATIC_PARAMS = ("gate", "alpha", "limit", "rhs_layout", "weight_format")
+# The parameters only a quantized module's program takes.
+QUANTIZED_PARAMS = ("up_scales", "down_scales", "weight_format")
 COMPOSED = "running the module's own code between grouped matmul ops"
 DISPATCH = dispatch.Dispatcher(FUNCTION, (
     # TPU inference: the whole layer as one jax_op (static shapes, one compile per token count).
