@@ -198,7 +198,7 @@ def test_tpu_ops_register_with_jax_op_and_infer_shapes():
             experts_out = experts_op(
                 hidden, torch.empty(4, 2, dtype=torch.int64), torch.empty(4, 2, dtype=torch.bfloat16),
                 torch.empty(8, 64, 64, dtype=torch.bfloat16), torch.empty(8, 64, 32, dtype=torch.bfloat16),
-                None, None, "glu_silu", 0.0, 0.0, "nk")
+                None, None, None, None, "glu_silu", 0.0, 0.0, "nk", "")
         print("experts", tuple(experts_out.shape), experts_out.dtype)
         print("fwd", tuple(out.shape), out.dtype)
         print("wgrad", tuple(dw.shape), dw.dtype)

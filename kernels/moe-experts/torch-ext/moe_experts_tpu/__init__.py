@@ -5,6 +5,9 @@
 ``experts_implementation=``. ``ragged_dot`` is the grouped matmul underneath.
 ``fused_experts_forward_interpret`` runs the TPU program on CPU in Pallas
 interpret mode (a correctness check, not fast).
+``quantize_experts(model, "int8" | "fp8" | "mxfp4")`` quantizes a model's
+experts modules in place; ``load_quantized_experts(model, checkpoint_dir)``
+loads them from a pre-quantized checkpoint (gpt-oss MXFP4, FP8 block-scaled).
 ``expert_parallel_experts_forward(module, hidden_states, top_k_index,
 top_k_weights, mesh=, axis=, tokens=)`` runs the layer as one SPMD program
 with its experts split over a mesh axis (a ``jax_op`` with a mesh on TPU; JAX
@@ -18,6 +21,7 @@ Assembled by build/hub.py (hub_manifests/moe-experts-tpu.toml): this module,
 try:
     from .experts.expert_parallel_torch import expert_parallel_experts_forward
     from .experts.forward import experts_forward, fused_experts_forward_interpret
+    from .experts.quantize import load_quantized_experts, quantize_experts
 except ImportError as e:
     if e.name is None or not e.name.startswith(f"{__name__}."):
         raise
@@ -33,5 +37,5 @@ from .gmm.ops import ragged_dot
 
 __all__ = [
     "DEFAULT_NAME", "NAMESPACE", "expert_parallel_experts_forward", "experts_forward",
-    "fused_experts_forward_interpret", "ragged_dot", "register",
+    "fused_experts_forward_interpret", "load_quantized_experts", "quantize_experts", "ragged_dot", "register",
 ]

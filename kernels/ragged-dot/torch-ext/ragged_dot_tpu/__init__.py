@@ -13,7 +13,9 @@ Assembled by build/hub.py (hub_manifests/ragged-dot-tpu.toml): this module,
 
 from ._ops import NAMESPACE
 from .experts.forward import experts_forward
+from .experts.quantize import load_quantized_experts, quantize_experts
 from .gmm.ops import TPU_OPS, ragged_dot
 from .gmm.tiling import Tiling, choose_tiling
 
-__all__ = ["NAMESPACE", "TPU_OPS", "Tiling", "choose_tiling", "experts_forward", "ragged_dot"]
+__all__ = ["NAMESPACE", "TPU_OPS", "Tiling", "choose_tiling", "experts_forward", "load_quantized_experts",
+           "quantize_experts", "ragged_dot"]

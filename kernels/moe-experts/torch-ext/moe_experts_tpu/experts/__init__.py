@@ -7,6 +7,8 @@ ragged-dot-tpu (whose ``experts_forward`` v1 API it serves).
 * ``routing``: sort by expert, rows per expert (static shapes);
 * ``validation``: argument checks of ``experts_forward``;
 * ``cpu_path``: CPU inference in chunks of sorted rows;
+* ``quantize``: quantized expert weights (int8, fp8, mxfp4): ``quantize_experts``,
+  ``load_quantized_experts``, the torch quantizers and dequantizer;
 * ``gates``: the gates of the TPU program, in JAX;
 * ``pallas_fused_experts``: the fused gate_up -> gate -> down Pallas kernel;
 * ``program``: the whole layer as one JAX program (the TPU inference path);

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from ..gmm import cpu_native, layouts
-from . import module_layout, routing
+from . import module_layout, quantize, routing
 
 CPU_CHUNK_BYTES = 32 << 20
 CPU_MIN_CHUNK_ROWS = 128
@@ -91,8 +91,16 @@ def cpu_chunk_rows(module) -> int:
     up = module_layout.up_weight(module)
     hidden = module_layout.hidden_size(module)
     up_features = layouts.out_features(up.shape, module_layout.rhs_layout(module))
-    per_row = up.dtype.itemsize * (2 * hidden + 2 * up_features) + 4 * hidden
+    per_row = module_layout.compute_dtype(module).itemsize * (2 * hidden + 2 * up_features) + 4 * hidden
     return max(CPU_MIN_CHUNK_ROWS, CPU_CHUNK_BYTES // per_row)
+
+
+def chunk_weight(weight, experts: slice) -> torch.Tensor:
+    """The chunk's experts of ``weight``; a quantized weight dequantized for
+    those experts only (never the whole float stack at once)."""
+    if isinstance(weight, quantize.QuantizedWeight):
+        return quantize.dequantize(weight, experts)
+    return weight[experts]
 
 
 def cpu_inference_forward(module, hidden_states, top_k_index, top_k_weights, *, chunk_rows=None):
@@ -110,7 +118,8 @@ def cpu_inference_forward(module, hidden_states, top_k_index, top_k_weights, *, 
         experts = slice(chunk.first_expert, chunk.first_expert + len(chunk.sizes))
 
         def project(x, weight, bias, rows=rows, chunk=chunk, experts=experts):
-            y = cpu_native.grouped_matmul(x.to(weight.dtype), weight[experts], chunk.sizes, layout, weight.dtype)
+            w = chunk_weight(weight, experts)
+            y = cpu_native.grouped_matmul(x.to(w.dtype), w, chunk.sizes, layout, w.dtype)
             return y if bias is None else y + bias[sorted_ids[rows]].to(y.dtype)
 
         tokens = token_of_row[rows]

@@ -47,8 +47,11 @@ from .validation import check_experts_args
 
 FUNCTION = "expert_parallel_experts_forward"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
-# The parameters of the single-device program, under this op's name.
-PROGRAM = dataclasses.replace(forward.EXPERTS_PROGRAM, name="expert_parallel_experts_forward_tpu")
+# The parameters of the single-device program for float weights (quantized modules are
+# refused: the SPMD program does not take them yet), under this op's name.
+PROGRAM = dataclasses.replace(
+    forward.EXPERTS_PROGRAM, name="expert_parallel_experts_forward_tpu",
+    params=tuple(p for p in forward.EXPERTS_PROGRAM.params if p[0] not in forward.QUANTIZED_PARAMS))
 
 
 def _fail(message: str, error: type[Exception] = ValueError):
@@ -71,6 +74,9 @@ def _check_mesh(mesh, axis: str, tokens: str):
 
 def _program_args(module):
     """``module_layout.program_args``; a ValueError for a layer the program cannot express."""
+    if module_layout.weight_format(module):
+        _fail(f"module ({type(module).__name__}) holds {module_layout.weight_format(module)} quantized weights, "
+              "which the SPMD program does not take yet")
     try:
         return module_layout.program_args(module)
     except NotImplementedError as e:
@@ -212,7 +218,7 @@ def cpu_devices_forward(params: dict, *, mesh, axis: str, tokens: str) -> torch.
     names = ("hidden_states", "top_k_index", "top_k_weights", "up_weight", "down_weight")
     names += ("up_bias", "down_bias") if with_biases else ()
     arrays = [jax.device_put(jax_bridge.to_jax(params[n]), NamedSharding(mesh, s)) for n, s in zip(names, in_specs)]
-    statics = {name: params[name] for name in forward.STATIC_PARAMS}
+    statics = {name: params[name] for name in forward.STATIC_PARAMS if name in PROGRAM.names}
     with jax_bridge.INTERPRET_LOCK:
         out = _cpu_program()(*arrays, mesh=mesh, axis=axis, tokens=tokens, **statics)
         # One device's copy of the whole [T, H] (gathered when tokens are sharded).

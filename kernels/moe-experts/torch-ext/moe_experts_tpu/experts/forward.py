@@ -15,6 +15,11 @@ Four implementations of the same math, routed by ``DISPATCH`` (the rule of
   fake kernels), with a one-time warning naming what the program refused;
 * ``"interpret_program"`` (``fused_experts_forward_interpret``): the TPU
   program on CPU in Pallas interpret mode.
+
+A module quantized by ``quantize.py`` (int8, fp8, mxfp4 values and scales)
+takes the same routes: the program gets the values, scales and format; the
+CPU chunks and the composed path dequantize in torch (the chunks only their
+own experts); values or scales that require a gradient are refused.
 """
 
 from __future__ import annotations
@@ -24,24 +29,37 @@ import torch
 from ..common import dispatch, jax_bridge, torch_ops, transformers_interface
 from ..common.torch_ops import OpDecl
 from ..gmm.ops import ragged_dot
-from . import cpu_path, module_layout, routing, validation
+from . import cpu_path, module_layout, quantize, routing, validation
 
 FUNCTION = "experts_forward"
 # The routed tokens, then module_layout.ProgramArgs by name.
 EXPERTS_PROGRAM = OpDecl(FUNCTION, (
     ("hidden_states", "Tensor"), ("top_k_index", "Tensor"), ("top_k_weights", "Tensor"),
     ("up_weight", "Tensor"), ("down_weight", "Tensor"), ("up_bias", "Tensor?"), ("down_bias", "Tensor?"),
+    ("up_scales", "Tensor?"), ("down_scales", "Tensor?"),
     ("gate", "str"), ("alpha", "float"), ("limit", "float"), ("rhs_layout", "str"),
+    # "" for float weights, else a common.quant_formats name (then up/down_weight are the values).
+    ("weight_format", "str"),
 ))
 
 
-def _tpu_program(hidden_states, top_k_index, top_k_weights, up_weight, down_weight, up_bias, down_bias,
-                 gate, alpha, limit, rhs_layout, generation):
+def program_call(hidden_states, top_k_index, top_k_weights, up_weight, down_weight, up_bias=None, down_bias=None,
+                 up_scales=None, down_scales=None, *, weight_format="", **static):
+    """``program.experts_forward`` with the op's parameters (JAX arrays): the
+    scales and format passed only for quantized weights, so a float layer is
+    the same call as before quantization existed."""
     from . import program
 
-    return program.experts_forward(
-        hidden_states, top_k_index, top_k_weights, up_weight, down_weight, up_bias, down_bias,
-        gate=gate, alpha=alpha, limit=limit, rhs_layout=rhs_layout, generation=generation)
+    quantized = dict(up_scales=up_scales, down_scales=down_scales, weight_format=weight_format) if weight_format else {}
+    return program.experts_forward(hidden_states, top_k_index, top_k_weights, up_weight, down_weight,
+                                   up_bias, down_bias, **quantized, **static)
+
+
+def _tpu_program(hidden_states, top_k_index, top_k_weights, up_weight, down_weight, up_bias, down_bias,
+                 up_scales, down_scales, gate, alpha, limit, rhs_layout, weight_format, generation):
+    return program_call(hidden_states, top_k_index, top_k_weights, up_weight, down_weight, up_bias, down_bias,
+                        up_scales, down_scales, weight_format=weight_format,
+                        gate=gate, alpha=alpha, limit=limit, rhs_layout=rhs_layout, generation=generation)
 
 
 # A TPU op only: on CPU the program runs in interpret mode without an op (no autograd, no fake needed).
@@ -62,7 +80,7 @@ def _run_tpu_program(module, hidden_states, top_k_index, top_k_weights, *, accep
 def _run_interpret_program(module, hidden_states, top_k_index, top_k_weights, *, accepted):
     params = program_params(accepted, hidden_states, top_k_index, top_k_weights)
     tensors = [params.pop(name) for name in EXPERTS_PROGRAM.names if name not in STATIC_PARAMS]
-    return jax_bridge.run_interpreted(FUNCTION, (f"{__package__}.program", "experts_forward"), tensors, params)
+    return jax_bridge.run_interpreted(FUNCTION, (__name__, "program_call"), tensors, params)
 
 
 def _run_cpu_chunked(module, hidden_states, top_k_index, top_k_weights):
@@ -77,7 +95,9 @@ def _program_args(module, *tokens):
     return module_layout.program_args(module)
 
 
-STATIC_PARAMS = ("gate", "alpha", "limit", "rhs_layout")
+STATIC_PARAMS = ("gate", "alpha", "limit", "rhs_layout", "weight_format")
+# The parameters only a quantized module's program takes.
+QUANTIZED_PARAMS = ("up_scales", "down_scales", "weight_format")
 COMPOSED = "running the module's own code between grouped matmul ops"
 DISPATCH = dispatch.Dispatcher(FUNCTION, (
     # TPU inference: the whole layer as one jax_op (static shapes, one compile per token count).
@@ -102,6 +122,8 @@ def choose_path(module, device_type: str, grad: bool, compiling: bool, impl: str
 
 def _experts_call(module, hidden_states, top_k_index, top_k_weights, impl: str):
     module_layout.check_module(module)
+    if quantize.is_quantized(module):
+        quantize.check_frozen(module)
     compiling = torch.compiler.is_compiling()
     validation.check_experts_args(hidden_states, top_k_index, top_k_weights, module.num_experts,
                                   module_layout.hidden_size(module),
@@ -139,6 +161,8 @@ def composed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     safe_ids = sorted_ids.clamp(max=num_experts - 1)  # keeps bias gathers in bounds
 
     def project(x, weight, bias):
+        if isinstance(weight, quantize.QuantizedWeight):
+            weight = quantize.dequantize(weight)  # frozen: activations still get their gradients
         out = ragged_dot(x.to(weight.dtype), weight, group_sizes, rhs_layout=layout)
         return out if bias is None else out + bias[safe_ids].to(out.dtype)
 

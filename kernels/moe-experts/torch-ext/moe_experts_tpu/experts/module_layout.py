@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ..gmm import layouts
+from . import quantize
 
 _GELU_TANH = {"GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "GELUPytorchTanh"}
 ACTIVATION_NAMES = {
@@ -51,7 +52,26 @@ def rhs_layout(module) -> str:
 
 
 def up_weight(module) -> torch.Tensor:
+    """The up (gate_up) weight: its values when the module is quantized."""
     return module.gate_up_proj if getattr(module, "has_gate", True) else module.up_proj
+
+
+def weight_format(module) -> str:
+    """The quantized format of the module's expert weights (``quantize.py``), "" for float weights."""
+    return getattr(module, quantize.FORMAT_ATTRIBUTE, None) or ""
+
+
+def compute_dtype(module) -> torch.dtype:
+    """The dtype the expert MLP computes in: the weights' own, or the dtype they had before quantization."""
+    return getattr(module, quantize.DTYPE_ATTRIBUTE) if weight_format(module) else module.down_proj.dtype
+
+
+def projection_weight(module, name: str):
+    """``module.<name>`` as the torch paths' ``project`` receives it: the float
+    tensor, or a ``quantize.QuantizedWeight`` for a quantized module."""
+    if weight_format(module):
+        return quantize.quantized_weight(module, name)
+    return getattr(module, name)
 
 
 def up_bias(module):
@@ -95,6 +115,10 @@ class ProgramArgs(NamedTuple):
     alpha: float
     limit: float
     rhs_layout: str
+    # Quantized modules (``quantize.py``): up/down_weight are the values; "" and None for float weights.
+    up_scales: torch.Tensor | None = None
+    down_scales: torch.Tensor | None = None
+    weight_format: str = ""
 
 
 def _default_gate(module) -> bool:
@@ -177,22 +201,27 @@ def program_args(module) -> ProgramArgs:
     if getattr(module, "has_post_expert_norm", False):
         raise NotImplementedError(f"experts_forward (fused TPU program): post-expert norm of {type(module).__name__}")
     gate, alpha, limit = gate_of_module(module)
+    fmt = weight_format(module)
+    up_name = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
     return ProgramArgs(up_weight=up_weight(module), down_weight=module.down_proj, up_bias=up_bias(module),
                        down_bias=down_bias(module), gate=gate, alpha=alpha, limit=limit,
-                       rhs_layout=rhs_layout(module))
+                       rhs_layout=rhs_layout(module),
+                       up_scales=getattr(module, up_name + quantize.SCALES_SUFFIX) if fmt else None,
+                       down_scales=module.down_proj_scales if fmt else None, weight_format=fmt)
 
 
 def expert_mlp(module, x, project):
     """The module's expert MLP on sorted rows ``x``: up (or gate_up) projection,
     its own gate or activation, down projection, optional post-expert norm.
-    ``project(x, weight, bias_or_None)`` is the grouped matmul (plus bias);
+    ``project(x, weight, bias_or_None)`` is the grouped matmul (plus bias),
+    ``weight`` a tensor or a ``quantize.QuantizedWeight`` (``projection_weight``);
     every path (CPU chunks, composed ops) runs the layers through this one
     function, so the module's own code decides the math."""
     if getattr(module, "has_gate", True):
-        h = module._apply_gate(project(x, module.gate_up_proj, up_bias(module)))
+        h = module._apply_gate(project(x, projection_weight(module, "gate_up_proj"), up_bias(module)))
     else:
-        h = module.act_fn(project(x, module.up_proj, up_bias(module)))
-    out = project(h, module.down_proj, down_bias(module))
+        h = module.act_fn(project(x, projection_weight(module, "up_proj"), up_bias(module)))
+    out = project(h, projection_weight(module, "down_proj"), down_bias(module))
     if getattr(module, "has_post_expert_norm", False):
         out = module.post_expert_norm(out)
     return out
