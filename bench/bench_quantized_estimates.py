@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import tpu_estimator  # noqa: E402  (sets libtpu's dump folder before jax loads libtpu)
-from bench_tpu_estimates import MODELS, routing_group_sizes  # noqa: E402
+from bench_tpu_estimates import MODELS, contender_fn, routing_group_sizes  # noqa: E402
 from common import ROOT, calibration_summary, markdown, use_shipped_packages  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -57,27 +57,14 @@ def problem(model: str, tokens: int, fmt_name: str, rng_seed=0):
 def layer_fn(fmt_name: str, gate: str, generation: str, fused: bool):
     import jax.numpy as jnp
 
-    from moe_experts_tpu.experts import pallas_fused_experts
     from moe_experts_tpu.experts.gates import apply_gate
     from moe_experts_tpu.gmm import pallas_gmm
 
     def act(h):
         return apply_gate(h, gate, 1.702, 7.0).astype(jnp.bfloat16)
 
-    if fmt_name == "bf16" and fused:
-        def fn(x, up, down, gs):
-            tm = pallas_fused_experts.fused_row_tile(gate, "nk", x.shape[0], x.shape[1], up.shape[1] // 2,
-                                                     up.shape[0], up.dtype.itemsize, generation)
-            if tm is None:
-                raise ValueError("one expert does not fit VMEM")
-            return pallas_fused_experts.fused_glu_experts(x, up, down, gs, gate=gate, out_dtype=jnp.float32,
-                                                          tm=tm, generation=generation)
-        return fn
-    if fmt_name == "bf16":
-        def fn(x, up, down, gs):
-            h = pallas_gmm.gmm(x, up, gs, out_dtype=jnp.float32, generation=generation)
-            return pallas_gmm.gmm(act(h), down, gs, out_dtype=jnp.float32, generation=generation)
-        return fn
+    if fmt_name == "bf16":  # our bf16 kernels exactly as the layer table runs them
+        return contender_fn("ours fused" if fused else "ours", gate, generation)
 
     def fn(x, up, up_s, down, down_s, gs):
         h = pallas_gmm.gmm(x, up, gs, rhs_scales=up_s, weight_format=fmt_name, out_dtype=jnp.float32,
