@@ -489,7 +489,7 @@ def _fake_repo(tmp_path: Path, init_body: str, manifest_extra: str = "") -> Path
         from = "kernels/ragged-dot/torch-ext/{PACKAGE}/gmm"
         files = ["tiling.py", "pallas_*.py"]
         to = "_gmm"
-        dev-only = ["pallas_gmm.py"]
+        dev-only = ["pallas_gmm.py", "pallas_qgmm.py"]  # the Pallas kernels: the second imports the first
 
         [card]
         description = "MoE experts."
