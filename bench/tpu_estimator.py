@@ -864,6 +864,10 @@ def manual_dma_events(rp: GridReplay, schedule: tpu_schedule.Schedule, pairs) ->
     waits = [i for i in range(body.start, body.end) if _MANUAL_WAIT in schedule.bundles[i]
              and "pipeline-emitter" not in schedule.bundles[i]]
     static = max((e.wait_index for e in rp.dmas), default=-1) + 1
+    # A one-step grid's body is the whole kernel: it opens with the waits of
+    # the scalar-prefetch copies into SMEM (on a literal allocation, untagged).
+    while rp.steps == 1 and len(waits) > static and "[#allocation" in schedule.bundles[waits[0]]:
+        waits.pop(0)
     matched = len(waits) == static
     events = [[] for _ in range(rp.steps)]
     last = [0.0] * rp.steps

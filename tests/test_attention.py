@@ -581,3 +581,102 @@ def test_float_mask_biases_poison_their_rows_under_torch_compile():
     assert torch.isnan(out[1]).all()
     _check(out[:1], reference.attention(q[:1], k[:1], v[:1], visible[:1].numpy(), scale=0.25), torch.float32,
            "unbiased row under compile")
+
+
+# The decode kernel (flash_decode): its own copies of the chunks some row sees.
+# Chunks of 128 keys here (the rule's are 1024) so that small caches span many.
+DECODE_CASES = {
+    # (batch, q heads, kv heads, Sq, Skv, D, Dv), starts, ends, features
+    "gqa_static_caches": ((3, 8, 2, 1, 640, 32, 16), [0, 37, 300], [640, 290, 301], dict(causal=True)),
+    "few_tokens_window_softcap": ((2, 4, 4, 3, 384, 16, 16), [0, 0], [384, 200],
+                                  dict(causal=True, window=100, softcap=5.0)),
+    "sinks_scale_not_causal": ((2, 6, 3, 2, 512, 16, 16), [5, 0], [512, 129], dict(causal=False, scale=0.3)),
+    "nine_heads_empty_row": ((2, 9, 9, 1, 256, 16, 16), [0, 0], [256, 0], dict(causal=True)),
+}
+
+
+@pytest.mark.parametrize("kv_splits", [None, 3])
+@pytest.mark.parametrize("case", sorted(DECODE_CASES))
+def test_decode_kernel_matches_float64_loop(case, kv_splits, monkeypatch):
+    """Static caches filled to any length (chunks read partly, the last one
+    overlapping the one before when the keys are not a multiple of the chunk:
+    640 = 2.5 chunks of 256), windows, soft-capping, sinks, more KV heads than
+    are unrolled at once, a batch row that sees no key; splits merged; the
+    interpreter poisons every output element the kernel never writes."""
+    from attention_tpu.attention import flash_decode
+    from attention_tpu.common import jax_bridge, pallas_helpers
+
+    shape, start, end, opts = DECODE_CASES[case]
+    chunk = 256 if case == "gqa_static_caches" else 128
+    monkeypatch.setitem(blocks.DECODE_CHUNKS, "v6e", chunk)
+    calls = []
+    monkeypatch.setattr(flash_decode, "decode_attention_with_lse",
+                        _recording(flash_decode.decode_attention_with_lse, calls))
+    b, hq, hkv, sq, skv, d, dv = shape
+    q, k, v, sinks = _inputs(shape, torch.float32, seed=40 + len(case))
+    use_sinks = "sinks" in case
+    start, end = np.array(start, np.int32), np.array(end, np.int32)
+    causal, window = opts["causal"], opts.get("window", 0)
+    bounds = kr.rule_key_bounds(start, end, sq=sq, skv=skv, causal=causal, window=window)
+    out, lse = flash_forward.flash_attention_with_lse(
+        *(jax_bridge.to_jax(t) for t in (q, k, v)), bounds, jax_bridge.to_jax(sinks) if use_sinks else None,
+        kv_splits=kv_splits, generation="v6e", interpret=pallas_helpers.interpret_params(), **opts)
+    assert calls, "the decode kernel did not run"
+    visible = reference.attention_rule_mask(start, end, sq, skv, causal=causal, window=window)
+    want = reference.attention(q, k, v, visible, scale=opts.get("scale", d ** -0.5), softcap=opts.get("softcap", 0.0),
+                               sinks=sinks.numpy() if use_sinks else None)
+    got = np.asarray(out)
+    assert not np.isnan(got).any(), f"{case}: NaN (unwritten) elements, seed={SEED}"
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"{case} seed={SEED}")
+    if case == "nine_heads_empty_row":  # no key: zeros and lse -inf
+        assert (got[1] == 0).all() and np.isneginf(np.asarray(lse)[1]).all()
+
+
+def _recording(fn, calls):
+    def wrapped(*args, **kwargs):
+        calls.append(kwargs.get("chunk"))
+        return fn(*args, **kwargs)
+    return wrapped
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_decode_kernel_16_bit_dtypes(dtype, monkeypatch):
+    monkeypatch.setitem(blocks.DECODE_CHUNKS, "v6e", 128)
+    from attention_tpu.common import jax_bridge, pallas_helpers
+
+    q, k, v, _ = _inputs((2, 8, 2, 1, 384, 32, 32), dtype, seed=47)
+    start, end = np.array([0, 3], np.int32), np.array([384, 131], np.int32)
+    bounds = kr.rule_key_bounds(start, end, sq=1, skv=384, causal=True, window=0)
+    got = flash_forward.flash_attention(*(jax_bridge.to_jax(t) for t in (q, k, v)), bounds, generation="v6e",
+                                        interpret=pallas_helpers.interpret_params())
+    visible = reference.attention_rule_mask(start, end, 1, 384, causal=True, window=0)
+    want = reference.attention(q.float(), k.float(), v.float(), visible, scale=32 ** -0.5)
+    _check(jax_bridge.to_torch(got), want, dtype, f"decode kernel {dtype}")
+
+
+def test_decode_chunk_rule():
+    """v5e and v6e decode with the decode kernel at 1024-key chunks; other generations,
+    prefills, key counts that are not multiples of 128 or below one chunk run
+    the grid kernel; many KV heads or wide heads halve the chunk to fit VMEM."""
+    assert blocks.choose_decode_chunk(4, 32768, kv_heads=8, generation="v6e") == 1024
+    assert blocks.choose_decode_chunk(4, 32768, kv_heads=2, head_dim=512, generation="v6e") == 1024
+    assert blocks.choose_decode_chunk(4, 32768, kv_heads=64, head_dim=128, generation="v6e") == 128
+    assert blocks.choose_decode_chunk(4, 32768, kv_heads=8, generation="v5e") == 1024
+    for gen in ("v4", "v5p", "tpu7x"):
+        assert blocks.choose_decode_chunk(4, 32768, kv_heads=8, generation=gen) is None
+    assert blocks.choose_decode_chunk(256, 32768, kv_heads=8, generation="v6e") is None  # not a decode
+    assert blocks.choose_decode_chunk(4, 32768 + 64, kv_heads=8, generation="v6e") is None
+    assert blocks.choose_decode_chunk(4, 896, kv_heads=8, generation="v6e") is None
+    for heads, d in ((8, 128), (2, 512), (64, 128), (32, 256)):
+        chunk = blocks.choose_decode_chunk(4, 32768, kv_heads=heads, head_dim=d, generation="v6e")
+        assert 2 * heads * chunk * 2 * d * 2 <= tpu_generations.get_generation("v6e").vmem_budget // 2
+    assert blocks.choose_decode_chunk(4, 32768, kv_heads=256, head_dim=256, generation="v6e") is None
+
+
+def test_decode_kernel_refuses_chunks_it_cannot_copy():
+    from attention_tpu.attention import flash_decode
+
+    q, k, v = jnp.zeros((1, 1, 4, 16)), jnp.zeros((1, 1, 200, 16)), jnp.zeros((1, 1, 200, 16))
+    with pytest.raises(ValueError, match="chunk 128 must be a multiple of 128 and at most the 200 keys"):
+        flash_decode.decode_attention_with_lse(q, k, v, None, None, chunk=128, splits=1, softcap=0.0, scale=1.0,
+                                               generation="v6e")

@@ -113,3 +113,23 @@ def test_split_kv_decode_compiles(generation):
     assert blocks.choose_kv_splits(1, 1, 8, generation) == (2 if generation == "v5p" else 1)
     aot.compile_for(generation, fn, ((1, 8, 1, 128), jnp.bfloat16), ((1, 1, 32768, 128), jnp.bfloat16),
                     ((1, 1, 32768, 128), jnp.bfloat16), ((1,), jnp.int32), ((1,), jnp.int32))
+
+
+@pytest.mark.parametrize("generation", sorted(blocks.DECODE_CHUNKS))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("kv_heads,skv", [(8, 8192 + 384), (32, 4096)])
+def test_decode_kernel_compiles(generation, dtype, kv_heads, skv):
+    """The decode kernel where the rule picks it: a cache that is not a multiple
+    of the chunk (its last copy overlaps the one before) and an MHA model with
+    more KV heads than are unrolled at once (the chunk halved to fit VMEM)."""
+    chunk = blocks.choose_decode_chunk(32 // kv_heads, skv, kv_heads=kv_heads, itemsize=2,  # buffers hold 2-byte bits
+                                       generation=generation)
+    assert chunk is not None and skv % chunk == (384 if kv_heads == 8 else 0)
+
+    def fn(q, k, v, start, end):
+        bounds = key_ranges.rule_key_bounds(start, end, sq=1, skv=skv, causal=True, window=0)
+        return flash_forward.flash_attention(q, k, v, bounds, causal=True, generation=generation)
+
+    dt = jnp.dtype(dtype)
+    aot.compile_for(generation, fn, ((4, 32, 1, 128), dt), ((4, kv_heads, skv, 128), dt),
+                    ((4, kv_heads, skv, 128), dt), ((4,), jnp.int32), ((4,), jnp.int32))

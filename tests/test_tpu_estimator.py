@@ -252,6 +252,7 @@ import json, sys
 sys.path.insert(0, {bench!r})
 import tpu_estimator
 import jax, jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 R, C = 64, 512
@@ -273,6 +274,23 @@ def copies(n):
                                     in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
                                     scratch_shapes=[pltpu.VMEM((R, C), jnp.float32), pltpu.SemaphoreType.DMA(())])(x)
 
+def prefetched_copies(n):
+    # The same copies in a one-step grid with a scalar-prefetched table: its
+    # copy into SMEM opens the kernel with a wait that is not the kernel's own.
+    def kernel(table_ref, x_hbm, o_ref, buf, sem):
+        def body(i, acc):
+            cp = pltpu.make_async_copy(x_hbm.at[table_ref[i]], buf, sem)
+            cp.start()
+            cp.wait()
+            return acc + buf[...]
+        o_ref[...] = jax.lax.fori_loop(0, n, body, jnp.zeros((R, C), jnp.float32))
+    spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(1,), in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+                                        out_specs=pl.BlockSpec((R, C), lambda i, t: (0, 0)),
+                                        scratch_shapes=[pltpu.VMEM((R, C), jnp.float32), pltpu.SemaphoreType.DMA(())])
+    call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((R, C), jnp.float32), grid_spec=spec,
+                          name="prefetched_copies")
+    return lambda table, x: call(table, x)
+
 out = {{}}
 for trips in (2, 3, 8):
     est = tpu_estimator.estimate(looped(trips), [jax.ShapeDtypeStruct((R, C), jnp.float32)], "v5e", flops=0, min_bytes=0)
@@ -283,6 +301,10 @@ est = tpu_estimator.estimate(copies(n), [jax.ShapeDtypeStruct((n, R, C), jnp.flo
 [k] = est.kernels
 out["copies"] = dict(seconds=k.seconds, cycles=int(k.step_cycles[0]), bytes=k.manual_dma_bytes, written=k.written_bytes,
                      fetched=k.fetched_bytes, matched=k.manual_dmas_matched, inner=k.inner_loops)
+est = tpu_estimator.estimate(prefetched_copies(n), [np.arange(n, dtype=np.int32)[::-1].copy(),
+                             jax.ShapeDtypeStruct((n, R, C), jnp.float32)], "v5e", flops=0, min_bytes=0)
+[k] = est.kernels
+out["prefetched"] = dict(bytes=k.manual_dma_bytes, matched=k.manual_dmas_matched)
 print(json.dumps(out))
 """
 
@@ -328,6 +350,12 @@ def test_manual_dmas_bytes_and_waits_on_the_schedule(inner_and_manual):
     assert dma <= c["seconds"] <= dma + c["cycles"] / v5e.clock_hz + 1e-9
 
 
+def test_manual_dma_waits_matched_past_a_one_step_grids_scalar_prefetch(inner_and_manual):
+    p = inner_and_manual["prefetched"]
+    assert p["bytes"] == 8 * 64 * 512 * 4
+    assert p["matched"]  # the SMEM table's wait is not taken for one of the kernel's own
+
+
 def test_megacore_core_steps_split_the_axis_in_contiguous_halves():
     # grid (3, 2), split on axis 0: core 0 takes rows 0-1 (steps 0-3), core 1 row 2.
     core0, core1 = tpu_estimator.core_steps((3, 2), 0, 2)
@@ -348,6 +376,7 @@ import dataclasses, json, sys
 sys.path.insert(0, {bench!r})
 import tpu_estimator
 import jax, jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 STEPS = 8
@@ -374,6 +403,10 @@ for name, rows, trips in (("compute", 64, 64), ("copy", 1024, 0)):
             cycles=[int(c) for c in k.step_cycles], fetched=k.fetched_bytes, written=k.written_bytes,
             total=est.seconds, half_bandwidth=est.what_if["half bandwidth"])
 out["device cores"] = tpu_estimator.chip_device(tpu_estimator.CHIPS["v5p"]).num_cores
+est = tpu_estimator.estimate(prefetched_copies(n), [np.arange(n, dtype=np.int32)[::-1].copy(),
+                             jax.ShapeDtypeStruct((n, R, C), jnp.float32)], "v5e", flops=0, min_bytes=0)
+[k] = est.kernels
+out["prefetched"] = dict(bytes=k.manual_dma_bytes, matched=k.manual_dmas_matched)
 print(json.dumps(out))
 """
 

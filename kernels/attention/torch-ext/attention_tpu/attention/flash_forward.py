@@ -39,43 +39,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..common.pallas_helpers import as_kernel_operand, compiler_params, dot_f32, kernel_dtype, load, out_struct
+from ..common.pallas_helpers import as_kernel_operand, compiler_params, kernel_dtype, load, out_struct
 from ..common.tile_math import cdiv
 from . import blocks as blocks_lib
+from . import flash_decode
 from . import key_ranges as kr
-
-LOG2_E = 1.4426950408889634
-STAT_LANES = 128  # row statistics are kept replicated over one vreg's lanes
-
-
-def _lanes(stat, width: int):
-    """A ``[rows, STAT_LANES]`` lane-replicated statistic as ``[rows, width]``.
-    Whole-vreg copies (concatenation) for multiples of 128 lanes and a lane
-    slice below: neither needs the cross-lane unit, unlike broadcasting a
-    ``[rows, 1]`` column, which costs one XLU broadcast per vreg row and was
-    what bounded a tile's schedule."""
-    if width == STAT_LANES:
-        return stat
-    if width % STAT_LANES == 0:
-        return jnp.concatenate([stat] * (width // STAT_LANES), axis=1)
-    if width < STAT_LANES:
-        return stat[:, :width]
-    return jnp.broadcast_to(stat[:, :1], (stat.shape[0], width))
-
-
-def _online_softmax_step(s, v, m_ref, l_ref, acc_ref, *, masked: bool, exp):
-    """Fold one tile of scores ``s [block_q, block_k]`` into the running max,
-    denominator and accumulator (``exp``: ``jnp.exp``, or ``jnp.exp2`` when the
-    scores are in base 2). ``masked``: ``s`` may hold ``-inf`` (a row may have
-    seen no key yet), so the max is made safe before ``exp``."""
-    m_prev = m_ref[...]  # [block_q, STAT_LANES]
-    m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-    p = exp(s - _lanes(shift, s.shape[1]))
-    alpha = exp(m_prev - shift)
-    l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
-    acc_ref[...] = _lanes(alpha, acc_ref.shape[1]) * acc_ref[...] + dot_f32(p.astype(v.dtype), v, 1, 0)
-    m_ref[...] = m_new
+from .softmax_tiles import LOG2_E, STAT_LANES, finished_rows, online_softmax_step, tile_scores  # noqa: F401
 
 
 def _flash_kernel(table_ref, steps_ref, start_ref, end_ref, q_ref, k_ref, v_ref, bounds_ref, o_ref, lse_ref, m_ref,
@@ -92,23 +61,15 @@ def _flash_kernel(table_ref, steps_ref, start_ref, end_ref, q_ref, k_ref, v_ref,
         l_ref[...] = jnp.zeros_like(l_ref)
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    # Without soft-capping the scores are kept in base 2: log2(e) joins the
-    # scale on q (a [block_q, D] product, not a [block_q, block_k] one) and
-    # exp2 needs no multiply of its own.
-    base2 = not softcap
+    base2 = not softcap  # scores in base 2 (softmax_tiles)
     exp = jnp.exp2 if base2 else jnp.exp
 
     def scores():
-        q = load(q_ref)
-        if base2:
-            q = (q.astype(jnp.float32) * (scale * LOG2_E)).astype(q.dtype)
-            return dot_f32(q, load(k_ref), 1, 1)  # [block_q, block_k]
-        s = dot_f32(q, load(k_ref), 1, 1) * scale
-        return softcap * jnp.tanh(s / softcap)
+        return tile_scores(load(q_ref), load(k_ref), softcap=softcap, scale=scale)  # [block_q, block_k]
 
     @pl.when(live & whole)
     def _interior():  # every row sees every key of the block: no mask at all
-        _online_softmax_step(scores(), load(v_ref), m_ref, l_ref, acc_ref, masked=False, exp=exp)
+        online_softmax_step(scores(), load(v_ref), m_ref, l_ref, acc_ref, masked=False, exp=exp)
 
     def edge(lo, hi):
         keys = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
@@ -117,19 +78,16 @@ def _flash_kernel(table_ref, steps_ref, start_ref, end_ref, q_ref, k_ref, v_ref,
         if skv % block_k:  # the tail block holds rows past Skv: garbage, zeroed (0 * NaN is NaN)
             key_rows = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
             v = jnp.where(key_rows < skv, v.astype(jnp.float32), 0.0).astype(v.dtype)
-        _online_softmax_step(s, v, m_ref, l_ref, acc_ref, masked=True, exp=exp)
+        online_softmax_step(s, v, m_ref, l_ref, acc_ref, masked=True, exp=exp)
 
     kr.masked_regions(live & jnp.logical_not(whole), entry(kr.RULE) == 1, edge, rule=rule, start_ref=start_ref,
                       end_ref=end_ref, bounds_ref=bounds_ref, b=b, q_block=q_block)
 
     @pl.when(step == pl.num_programs(4) - 1)
     def _finish():
-        l = l_ref[...]
-        seen = l > 0
-        inv = _lanes(jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0), acc_ref.shape[1])
-        o_ref[...] = (acc_ref[...] * inv).astype(o_ref.dtype)
-        m = m_ref[...][:, :1] / LOG2_E if base2 else m_ref[...][:, :1]  # lse is natural-log
-        lse_ref[...] = jnp.where(seen[:, :1], m + jnp.log(jnp.where(seen[:, :1], l[:, :1], 1.0)), -jnp.inf)
+        out, lse = finished_rows(m_ref[...], l_ref[...], acc_ref[...], base2=base2)
+        o_ref[...] = out.astype(o_ref.dtype)
+        lse_ref[...] = lse
 
 
 def shapes_and_blocks(rule, q, v, block_sizes, causal, window, generation):
@@ -146,18 +104,33 @@ def shapes_and_blocks(rule, q, v, block_sizes, causal, window, generation):
 
 @dataclasses.dataclass(frozen=True)
 class ForwardPlan:
+    """Which kernel runs and how: ``decode_chunk`` set, the decode kernel
+    (``flash_decode``) with ``block_q`` = all rows and ``block_k`` = the chunk;
+    else the grid kernel below at ``(block_q, block_k)``."""
     rows: int
     block_q: int
     block_k: int
     num_q_blocks: int
     num_kv_blocks: int
     splits: int
+    decode_chunk: int | None = None
 
 
 def forward_plan(q, k, v, block_sizes, kv_splits, generation, causal, window) -> ForwardPlan:
-    """The forward's blocks, block counts and KV splits for these operands."""
-    batch, _, hkv, sq, skv, _, _, rows, (block_q, block_k) = shapes_and_blocks(
-        blocks_lib.choose_blocks, q, v, block_sizes, causal, window, generation)
+    """The forward's kernel, blocks, block counts and KV splits for these operands."""
+    batch, hq, sq, d = q.shape
+    _, hkv, skv, dv = v.shape
+    rows = hq // hkv * sq
+    chunk = None if block_sizes else blocks_lib.choose_decode_chunk(
+        # Its buffers hold K and V as copied (float16 as its 2-byte bits, decoded per tile).
+        rows, skv, kv_heads=hkv, head_dim=d, v_dim=dv, itemsize=k.dtype.itemsize, generation=generation)
+    if chunk:
+        num_chunks = cdiv(skv, chunk)
+        # The decode kernel walks every KV head inside one grid step: its parallel work is the batch.
+        splits = kv_splits or blocks_lib.choose_kv_splits(batch, 1, num_chunks, generation)
+        return ForwardPlan(rows, rows, chunk, 1, num_chunks, max(1, min(splits, num_chunks)), chunk)
+    *_, (block_q, block_k) = shapes_and_blocks(blocks_lib.choose_blocks, q, v, block_sizes, causal, window,
+                                              generation)
     num_q_blocks, num_kv_blocks = cdiv(rows, block_q), cdiv(skv, block_k)
     expected = kr.expected_kv_steps(num_kv_blocks, block_q=block_q, block_k=block_k, sq=sq, causal=causal,
                                     window=window)
@@ -205,6 +178,31 @@ def flash_attention_with_lse(q, k, v, key_bounds, sinks=None, *, causal: bool = 
     bounds, start, end, table = kr.ranges_and_table(key_bounds, hq // hkv, sq=sq, skv=skv, causal=causal,
                                                     window=window, num_q_blocks=plan.num_q_blocks,
                                                     block_q=plan.block_q, block_k=plan.block_k)
+    if plan.decode_chunk:
+        out, lse = flash_decode.decode_attention_with_lse(
+            q.reshape(batch, hkv, rows, d), k, v, bounds, table, chunk=plan.decode_chunk, splits=plan.splits,
+            softcap=softcap, scale=scale, generation=generation, interpret=interpret)
+    else:
+        out, lse = _grid_forward(q, k, v, key_bounds, bounds, start, end, table, plan, causal=causal, window=window,
+                                 softcap=softcap, scale=scale, generation=generation, interpret=interpret)
+    if plan.splits == 1:
+        out, lse = out[:, :, 0], lse[:, :, 0]
+    else:
+        out, lse = merge_splits(out, lse)
+    if sinks is not None:
+        # softmax over [scores, sink] = softmax(scores) * 1 / (1 + exp(sink - lse))
+        sink_rows = per_row(sinks.astype(jnp.float32), batch, hkv, hq // hkv, sq)
+        out = out.astype(jnp.float32) * jax.nn.sigmoid(lse - sink_rows)
+        lse = jnp.logaddexp(lse, sink_rows)
+    return out.astype(q.dtype).reshape(batch, hq, sq, dv), lse
+
+
+def _grid_forward(q, k, v, key_bounds, bounds, start, end, table, plan: ForwardPlan, *, causal, window, softcap,
+                  scale, generation, interpret):
+    """The grid kernel: ``(out, lse)`` per KV split, as ``[B, Hkv, splits, rows, .]``."""
+    batch, hq, sq, d = q.shape
+    _, hkv, skv, dv = v.shape
+    rows = plan.rows
     block_q, block_k, splits = plan.block_q, plan.block_k, plan.splits
     per_split = kr.kv_steps(table, num_kv_blocks=plan.num_kv_blocks, splits=splits)  # traced: a dynamic grid axis
     where = dict(num_q_blocks=plan.num_q_blocks, num_kv_blocks=plan.num_kv_blocks)
@@ -250,16 +248,7 @@ def flash_attention_with_lse(q, k, v, key_bounds, sinks=None, *, causal: bool = 
         interpret=interpret,
         name="flash_attention_fwd",
     )(table, per_split.reshape(1), start, end, *map(as_kernel_operand, (q.reshape(batch, hkv, rows, d), k, v)), bounds)
-    if splits == 1:
-        out, lse = out[:, :, 0], lse[:, :, 0]
-    else:
-        out, lse = merge_splits(out, lse)
-    if sinks is not None:
-        # softmax over [scores, sink] = softmax(scores) * 1 / (1 + exp(sink - lse))
-        sink_rows = per_row(sinks.astype(jnp.float32), batch, hkv, hq // hkv, sq)
-        out = out.astype(jnp.float32) * jax.nn.sigmoid(lse - sink_rows)
-        lse = jnp.logaddexp(lse, sink_rows)
-    return out.astype(q.dtype).reshape(batch, hq, sq, dv), lse
+    return out, lse
 
 
 def per_row(per_head, batch, hkv, group, sq):

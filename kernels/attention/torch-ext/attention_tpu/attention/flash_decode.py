@@ -1,0 +1,160 @@
+"""Flash attention decode for TPU in Pallas: a few query rows against a long,
+possibly partly filled KV cache, reading only the keys some row sees.
+
+Why a kernel of its own. Decode is bound by reading K and V. The forward's
+grid kernel (``flash_forward``) reads whole key blocks through the pipeline,
+and each grid step costs a fixed ~0.5 us of bookkeeping, so its decode blocks
+must be long (4096 keys) to hide it; but the last block of a partly filled
+static cache is then read whole (2k of a 32k cache: 2.05x the HBM-bound time
+on v6e). Here K and V stay in HBM (``pl.ANY``) and the kernel copies them
+itself in ``chunk``-key pieces (``blocks.choose_decode_chunk``: v5e, v6e), double
+buffered, only the chunks some row sees (the visit table at chunk
+granularity, ``key_ranges``): at most ``chunk - 1`` keys are read for
+nothing, and a loop iteration costs far less than a grid step.
+
+Layout. One grid step per (batch row, KV split): q ``[Hkv, rows, D]`` (rows
+= G * Sq, the head group's query rows, as in the forward) and one loop over
+the chunks some row sees; each chunk is copied for every KV head at once (one
+strided copy each of K and V) and its heads are computed unrolled, so their
+dependency chains interleave. All heads of a batch row share its key ranges.
+
+Chunks. Chunk ``c`` covers keys ``[c * chunk, (c + 1) * chunk)``; its copy
+starts at ``min(c * chunk, Skv - chunk)`` so that it never reads past the
+cache (the last chunk of a cache that is not a multiple of ``chunk`` overlaps
+the one before; keys below ``c * chunk`` are masked, so none counts twice).
+Requires ``Skv >= chunk`` and ``Skv`` a multiple of 128 (copies start on
+whole tiles): ``blocks.choose_decode_chunk`` returns None otherwise and the
+forward's grid kernel runs.
+
+KV splits (``blocks.choose_kv_splits``): on a megacore chip with fewer batch
+rows than TensorCores, each split takes a contiguous share of every head's
+chunks; the partial softmaxes are merged as the forward's
+(``flash_forward.merge_splits``).
+
+Features and dtypes as ``flash_forward`` (scale, soft-capping, sinks applied
+after the kernel from the log-sum-exp, ``Dv != D``, float16 as its bits,
+rows that see no key come out as zeros with lse ``-inf``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ..common.pallas_helpers import as_kernel_operand, compiler_params, kernel_dtype, load, out_struct
+from . import key_ranges as kr
+from .softmax_tiles import STAT_LANES, finished_rows, online_softmax_step, tile_scores
+
+COPY_ALIGN = 128  # chunk copies start on whole (16, 128) / (8, 128) HBM tiles
+HEADS_UNROLLED = 8  # KV heads computed per unrolled group of a chunk's loop
+
+
+def _decode_kernel(table_ref, q_ref, bounds_ref, k_hbm, v_hbm, o_ref, lse_ref, k_buf, v_buf, sems, m_ref, l_ref,
+                   acc_ref, *, chunk: int, skv: int, heads: int, splits: int, softcap: float, scale: float):
+    b, split = pl.program_id(0), pl.program_id(1)
+    first = table_ref[b * kr.TABLE_COLUMNS + kr.FIRST]
+    count = jnp.maximum(table_ref[b * kr.TABLE_COLUMNS + kr.LAST] - first + 1, 0)
+    per_split = lax.div(count + splits - 1, jnp.int32(splits))  # lax: Python's // lowers through sign
+    own_first = first + split * per_split
+    chunks = jnp.clip(count - split * per_split, 0, per_split)  # this split's chunks
+
+    m_ref[...] = jnp.full_like(m_ref, -jnp.inf)
+    l_ref[...] = jnp.zeros_like(l_ref)
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    def copy_start(c):
+        return pl.multiple_of(jnp.minimum(c * chunk, skv - chunk), COPY_ALIGN)
+
+    def copies(i, slot):  # chunk i of this split, every KV head at once
+        keys = pl.ds(copy_start(own_first + i), chunk)
+        return (pltpu.make_async_copy(k_hbm.at[b, :, keys], k_buf.at[slot], sems.at[0, slot]),
+                pltpu.make_async_copy(v_hbm.at[b, :, keys], v_buf.at[slot], sems.at[1, slot]))
+
+    @pl.when(chunks > 0)
+    def _first_copy():
+        for copy in copies(0, 0):
+            copy.start()
+
+    lo, hi = kr.read_row_bounds(bounds_ref)  # [rows, 1] columns, shared by the heads
+    base2 = not softcap
+    exp = jnp.exp2 if base2 else jnp.exp
+
+    def step(i, carry):
+        slot = lax.rem(i, 2)
+
+        @pl.when(i + 1 < chunks)
+        def _next_copy():  # in flight while this chunk computes
+            for copy in copies(i + 1, 1 - slot):
+                copy.start()
+
+        for copy in copies(i, slot):
+            copy.wait()
+        c = own_first + i
+        keys = copy_start(c) + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
+        visible = (keys >= jnp.maximum(lo, c * chunk)) & (keys < hi)
+
+        def head_step(h, carry):  # heads unrolled: their dependency chains interleave
+            s = tile_scores(load(q_ref.at[h]), load(k_buf.at[slot, h]), softcap=softcap, scale=scale)
+            online_softmax_step(jnp.where(visible, s, -jnp.inf), load(v_buf.at[slot, h]), m_ref.at[h], l_ref.at[h],
+                                acc_ref.at[h], masked=True, exp=exp)
+            return carry
+
+        lax.fori_loop(0, heads, head_step, 0, unroll=min(heads, HEADS_UNROLLED))
+        return carry
+
+    lax.fori_loop(0, chunks, step, 0)
+
+    def store(h, carry):
+        out, lse = finished_rows(m_ref[h], l_ref[h], acc_ref[h], base2=base2)
+        o_ref[h] = out.astype(o_ref.dtype)
+        lse_ref[h] = lse
+        return carry
+
+    lax.fori_loop(0, heads, store, 0, unroll=min(heads, HEADS_UNROLLED))
+
+
+def decode_attention_with_lse(q, k, v, bounds, table, *, chunk: int, splits: int, softcap: float, scale: float,
+                              generation: str | None, interpret=False):
+    """``(out [B, Hkv, splits, rows, Dv], lse [B, Hkv, splits, rows, 1])`` (f32
+    partials when ``splits > 1``, else ``out`` in the kernel's dtype of q) of
+    q viewed as ``[B, Hkv, rows, D]``. ``bounds [B, rows, 2]`` and ``table``
+    (the visit table of one ``rows``-row query block at ``chunk``-key blocks)
+    are ``key_ranges.ranges_and_table``'s."""
+    batch, hkv, rows, d = q.shape
+    skv, dv = v.shape[2], v.shape[3]
+    if skv < chunk or skv % COPY_ALIGN or chunk % COPY_ALIGN:
+        raise ValueError(f"attention decode: chunk {chunk} must be a multiple of {COPY_ALIGN} and at most the "
+                         f"{skv} keys, themselves a multiple of {COPY_ALIGN}")
+    kernel = functools.partial(_decode_kernel, chunk=chunk, skv=skv, heads=hkv, splits=splits,
+                               softcap=float(softcap), scale=float(scale))
+    out_dtype = kernel_dtype(q.dtype) if splits == 1 else jnp.float32
+    q_bits, k_bits, v_bits = map(as_kernel_operand, (q, k, v))
+    out, lse = pl.pallas_call(
+        kernel,
+        out_shape=(out_struct((batch, splits, hkv, rows, dv), out_dtype, q, k, v, bounds),
+                   out_struct((batch, splits, hkv, rows, 1), jnp.float32, q, k, v, bounds)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(batch, splits),
+            in_specs=[pl.BlockSpec((None, hkv, rows, d), lambda b, s, *_: (b, 0, 0, 0)),
+                      pl.BlockSpec((None, rows, 2), lambda b, s, *_: (b, 0, 0)),
+                      pl.BlockSpec(memory_space=pl.ANY),
+                      pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=[pl.BlockSpec((None, None, hkv, rows, dv), lambda b, s, *_: (b, s, 0, 0, 0)),
+                       pl.BlockSpec((None, None, hkv, rows, 1), lambda b, s, *_: (b, s, 0, 0, 0))],
+            scratch_shapes=[pltpu.VMEM((2, hkv, chunk, d), k_bits.dtype),
+                            pltpu.VMEM((2, hkv, chunk, dv), v_bits.dtype),
+                            pltpu.SemaphoreType.DMA((2, 2)),
+                            pltpu.VMEM((hkv, rows, STAT_LANES), jnp.float32),
+                            pltpu.VMEM((hkv, rows, STAT_LANES), jnp.float32),
+                            pltpu.VMEM((hkv, rows, dv), jnp.float32)],
+        ),
+        compiler_params=compiler_params(generation, ("parallel", "parallel")),
+        interpret=interpret,
+        name="flash_attention_decode",
+    )(table, q_bits, bounds, k_bits, v_bits)
+    return jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2)
