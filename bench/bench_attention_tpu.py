@@ -583,12 +583,18 @@ def block_plan_row(case: Case, generation: str):
     from attention_tpu.attention import blocks
 
     rows = case.hq // case.hkv * case.sq
-    block_q, block_k = blocks.choose_blocks(rows, case.skv, head_dim=case.head_dim, window=case.window,
-                                            generation=generation)
+    chunk = blocks.choose_decode_chunk(rows, case.skv, kv_heads=case.hkv, head_dim=case.head_dim, generation=generation)
+    if chunk:  # the decode kernel: its double-buffered chunks of every KV head
+        label, working_set = f"decode kernel, {chunk}-key chunks", 2 * case.hkv * chunk * 2 * case.head_dim * 2
+    else:
+        block_q, block_k = blocks.choose_blocks(rows, case.skv, head_dim=case.head_dim, window=case.window,
+                                                generation=generation)
+        label = (block_q, block_k)
+        working_set = blocks.working_set_bytes(block_q, block_k, case.head_dim, case.head_dim, 2)
     plan = kv_block_plan([0], [case.filled], rows=rows, sq=case.sq, skv=case.skv, causal=True, window=case.window,
                          head_dim=case.head_dim, generation=generation)
-    return {"case": case.label, "generation": generation, "blocks (q, k)": (block_q, block_k),
-            "VMEM working set (MiB)": blocks.working_set_bytes(block_q, block_k, case.head_dim, case.head_dim, 2) / 2**20,
+    return {"case": case.label, "generation": generation, "blocks (q, k)": label,
+            "VMEM working set (MiB)": working_set / 2**20,
             "grid steps / dense": plan.grid_steps / plan.dense, "steps computed / dense": plan.live / plan.dense,
             "K/V fetches / dense": plan.fetched / plan.dense}
 
