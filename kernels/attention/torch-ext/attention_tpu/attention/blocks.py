@@ -85,35 +85,42 @@ parallel work is a single (batch, head) pair would leave one TensorCore idle;
 the keys are split in one part per TensorCore and the partial softmaxes
 merged. On single-core chips a split only adds the merge: one part.
 
-Decode kernel (``choose_decode_chunk``, ``flash_decode``): on v5e and v6e a
-decode (rows <= ``DECODE_MAX_ROWS``, keys a multiple of 128) copies K and V
-itself in 1024-key chunks of every KV head at once, only the chunks some row
-sees, instead of the grid kernel's 4096-key blocks (whose last block is read
-whole in a partly filled static cache). Estimated (us; ours / HBM-bound time):
+Decode kernel (``choose_decode_chunk``, ``flash_decode``): on v5e, v6e and
+tpu7x a decode (rows <= ``DECODE_MAX_ROWS``, keys a multiple of 128) copies K
+and V itself in chunks of every KV head at once (1024 keys; 2048 on tpu7x),
+only the chunks some row sees, instead of the grid kernel's 4096-key blocks
+(whose last block is read whole in a partly filled static cache). Estimated
+(us; ours / HBM-bound time):
 
 ==========================================  =============  ============  ============  ============
 case                                        kernel         v5e           v6e           tpu7x
 ==========================================  =============  ============  ============  ============
 Llama-3-8B decode, batch 8, 32k cache full  grid 4 x 4096  1314 (1.00)   657 (1.00)    393 (1.35)
                                             decode 1024    1312 (1.00)   657 (1.00)    547 (1.88)
+                                            decode 2048    1312 (1.00)   656 (1.00)    363 (1.25)
   same, 2k of 32k filled                    grid 4 x 4096  166 (2.03)    84.1 (2.05)   50.7 (2.78)
                                             decode 1024    83.1 (1.01)   42.8 (1.05)   35.6 (1.95)
+                                            decode 2048    83.1 (1.01)   42.0 (1.02)   24.1 (1.32)
   batch 8, 3k of an 8k cache                grid 4 x 4096  166 (1.38)    84.1 (1.40)   50.7 (1.90)
                                             decode 1024    124 (1.03)    63.3 (1.06)   52.6 (1.97)
+                                            decode 2048    165 (1.37)    82.9 (1.38)   46.7 (1.75)
 Gemma-4 global decode, 32k full (D 512)     grid 4 x 4096  168 (1.03)    84.8 (1.04)   39.0 (1.07)
                                             decode 1024    166 (1.01)    82.8 (1.01)   37.2 (1.02)
+                                            decode 2048    166 (1.01)    82.8 (1.01)   37.2 (1.02)
 ==========================================  =============  ============  ============  ============
 
-On tpu7x (2.25x v6e's HBM bandwidth per core) the decode kernel's loop
-computes slower than the copies arrive (a [rows, 1024] tile per head costs
-more MXU time per key than the grid kernel's [rows, 4096] one: about 590
-against 430 cycles per 1024 keys), so a full cache reads 1.9x its HBM time:
-tpu7x keeps the grid kernel until the decode kernel's compute is cheaper;
-v4 and v5p (not estimated) keep it too. Chunks of 512 lose to the loop's
-per-iteration cost (v6e: 1.66x on the full cache); 2048-key chunks do not
-fit the rule's VMEM share (two chunks of 8 KV heads: 16 MiB). Heads are
-unrolled in the chunk loop: rolled, the full cache reads 745 us on tpu7x
-(546 unrolled).
+Where the chunk is the tradeoff: v5e and v6e are HBM-bound at 1024 keys, and
+longer chunks only read more of a partly filled cache (3k of 8k: 3072 keys
+read at 1024, 4096 at 2048). tpu7x (2.25x v6e's HBM bandwidth per core)
+computes slower than 1024-key copies arrive (a [rows, 1024] tile per head
+costs more MXU time per key than a longer one: about 590 cycles per 1024
+keys against 430 in the grid kernel's 4096-key tiles), so it takes 2048.
+Chunks of 512 lose to the loop's per-iteration cost (v6e: 1.66x on the full
+cache). Heads are unrolled in the chunk loop: rolled, the full cache reads
+745 us on tpu7x at 1024 (546 unrolled). Computing the scores as K q^T (K
+streamed through the MXU, the few query rows as its weights) and transposing
+them costs more than it saves (tpu7x 822 us at 1024). v4 and v5p (not
+estimated) keep the grid kernel.
 
 Callers may pass their own sizes (``block_sizes=``, a pair or a ``BlockSizes``,
 checked where the kernels are entered) and splits (``kv_splits=``).
@@ -132,7 +139,7 @@ DECODE_MAX_ROWS = 128
 DECODE_BLOCK_K = 4096
 # Keys per copy of the decode kernel, by generation; a generation missing here
 # decodes with the grid kernel (see the module docstring's decode table).
-DECODE_CHUNKS = {"v5e": 1024, "v6e": 1024}
+DECODE_CHUNKS = {"v5e": 1024, "v6e": 1024, "tpu7x": 2048}
 MIN_BLOCK_K = 512
 BACKWARD_BLOCK = 1024
 
@@ -169,8 +176,8 @@ def choose_decode_chunk(rows: int, kv_len: int, *, kv_heads: int = 1, head_dim: 
     than ``DECODE_MAX_ROWS`` rows (not a decode), keys not a multiple of 128
     (its copies start on whole tiles) or fewer than one chunk. The chunk is
     halved (not below 128) until two chunks of K and V of every KV head (the
-    kernel's double buffer) fit half the generation's VMEM budget (None if
-    128 keys do not)."""
+    kernel's double buffer) fit 3/4 of the generation's VMEM budget (None if
+    128 keys do not; the rest holds q, the statistics and a head's f32 tiles)."""
     gen = tpu_generations.get_generation(generation)
     chunk = DECODE_CHUNKS.get(gen.name)
     if chunk is None or rows > DECODE_MAX_ROWS or kv_len % 128:
@@ -178,7 +185,7 @@ def choose_decode_chunk(rows: int, kv_len: int, *, kv_heads: int = 1, head_dim: 
     v_dim = head_dim if v_dim is None else v_dim
     budget = gen.vmem_budget
     def fits():
-        return 2 * kv_heads * chunk * (head_dim + v_dim) * itemsize <= budget // 2
+        return 2 * kv_heads * chunk * (head_dim + v_dim) * itemsize <= budget * 3 // 4
 
     while chunk > 128 and not fits():
         chunk //= 2

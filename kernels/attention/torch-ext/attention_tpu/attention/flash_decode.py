@@ -7,7 +7,7 @@ and each grid step costs a fixed ~0.5 us of bookkeeping, so its decode blocks
 must be long (4096 keys) to hide it; but the last block of a partly filled
 static cache is then read whole (2k of a 32k cache: 2.05x the HBM-bound time
 on v6e). Here K and V stay in HBM (``pl.ANY``) and the kernel copies them
-itself in ``chunk``-key pieces (``blocks.choose_decode_chunk``: v5e, v6e), double
+itself in ``chunk``-key pieces (``blocks.choose_decode_chunk``: v5e, v6e, tpu7x), double
 buffered, only the chunks some row sees (the visit table at chunk
 granularity, ``key_ranges``): at most ``chunk - 1`` keys are read for
 nothing, and a loop iteration costs far less than a grid step.
