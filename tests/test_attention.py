@@ -641,8 +641,15 @@ def _recording(fn, calls):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 def test_decode_kernel_16_bit_dtypes(dtype, monkeypatch):
-    monkeypatch.setitem(blocks.DECODE_CHUNKS, "v6e", 128)
+    """bfloat16 decodes in the decode kernel; float16 on the grid kernel (its
+    bits decoded per tile cost more in the decode kernel's head loop)."""
+    from attention_tpu.attention import flash_decode
     from attention_tpu.common import jax_bridge, pallas_helpers
+
+    monkeypatch.setitem(blocks.DECODE_CHUNKS, "v6e", 128)
+    calls = []
+    monkeypatch.setattr(flash_decode, "decode_attention_with_lse",
+                        _recording(flash_decode.decode_attention_with_lse, calls))
 
     q, k, v, _ = _inputs((2, 8, 2, 1, 384, 32, 32), dtype, seed=47)
     start, end = np.array([0, 3], np.int32), np.array([384, 131], np.int32)
@@ -652,6 +659,7 @@ def test_decode_kernel_16_bit_dtypes(dtype, monkeypatch):
     visible = reference.attention_rule_mask(start, end, 1, 384, causal=True, window=0)
     want = reference.attention(q.float(), k.float(), v.float(), visible, scale=32 ** -0.5)
     _check(jax_bridge.to_torch(got), want, dtype, f"decode kernel {dtype}")
+    assert bool(calls) == (dtype == torch.bfloat16)
 
 
 def test_decode_chunk_rule():

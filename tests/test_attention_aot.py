@@ -116,13 +116,13 @@ def test_split_kv_decode_compiles(generation):
 
 
 @pytest.mark.parametrize("generation", sorted(blocks.DECODE_CHUNKS))
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("kv_heads,skv", [(8, 8192 + 384), (32, 4096)])
 def test_decode_kernel_compiles(generation, dtype, kv_heads, skv):
     """The decode kernel where the rule picks it: a cache that is not a multiple
     of the chunk (its last copy overlaps the one before) and an MHA model with
     more KV heads than are unrolled at once (the chunk halved to fit VMEM)."""
-    chunk = blocks.choose_decode_chunk(32 // kv_heads, skv, kv_heads=kv_heads, itemsize=2,  # buffers hold 2-byte bits
+    chunk = blocks.choose_decode_chunk(32 // kv_heads, skv, kv_heads=kv_heads, itemsize=jnp.dtype(dtype).itemsize,
                                        generation=generation)
     assert chunk is not None and skv % chunk == (384 if kv_heads == 8 else 0)
 
