@@ -131,6 +131,23 @@ def test_several_blocks_with_tails_and_skipping(block_sizes):
         _check(got, want, torch.float32, f"blocks {block_sizes} causal={causal} window={window}")
 
 
+def test_forward_tiles_computed_in_key_sub_blocks():
+    """Prefill tiles of 1024 keys computed in 512-key sub-blocks: interior and
+    masked tiles, a tail block (2100 keys) whose garbage rows are zeroed per
+    sub-block, windows and left padding; poisoned outputs."""
+    assert blocks.compute_block_k(136, 1024) == blocks.COMPUTE_BLOCK_K == 512
+    assert blocks.compute_block_k(8, 4096) == 4096  # decode tiles stay whole
+    q, k, v, sinks = _inputs((2, 4, 2, 80, 2100, 16, 16), torch.float32, seed=21)
+    start, end = np.array([0, 300], np.int32), np.array([2100, 1900], np.int32)
+    for causal, window in ((True, 0), (True, 700), (False, 0)):
+        visible = reference.attention_rule_mask(start, end, 80, 2100, causal=causal, window=window)
+        got = attention_tpu.attention(q, k, v, attention_mask=torch.from_numpy(visible), causal=causal, window=window,
+                                      sinks=sinks, softcap=20.0 if window else 0.0, block_sizes=(136, 1024),
+                                      impl="interpret")
+        want = reference.attention(q, k, v, visible, scale=0.25, softcap=20.0 if window else 0.0, sinks=sinks.numpy())
+        _check(got, want, torch.float32, f"sub-blocks causal={causal} window={window}")
+
+
 @pytest.mark.parametrize("kv_splits", [2, 3, 5])
 def test_kv_splits_merge_to_one_softmax(kv_splits):
     """Keys split in parts whose partial softmaxes are merged: splits that see no

@@ -141,6 +141,7 @@ DECODE_BLOCK_K = 4096
 # decodes with the grid kernel (see the module docstring's decode table).
 DECODE_CHUNKS = {"v5e": 1024, "v6e": 1024, "tpu7x": 2048}
 MIN_BLOCK_K = 512
+COMPUTE_BLOCK_K = 512
 BACKWARD_BLOCK = 1024
 
 
@@ -167,6 +168,15 @@ def choose_blocks(rows: int, kv_len: int, *, head_dim: int = 128, v_dim: int | N
     while not fits() and rows > DECODE_MAX_ROWS and block_q > 128 and block_q % 16 == 0:
         block_q //= 2
     return block_q, (kv_len if kv_len <= block_k else block_k)
+
+
+def compute_block_k(block_q: int, block_k: int) -> int:
+    """Keys per compute sub-block of a forward tile: ``COMPUTE_BLOCK_K`` for a
+    prefill tile whose keys it divides, else the whole tile (decode tiles are
+    a few rows: splitting them only adds steps)."""
+    if block_q > DECODE_MAX_ROWS and block_k > COMPUTE_BLOCK_K and block_k % COMPUTE_BLOCK_K == 0:
+        return COMPUTE_BLOCK_K
+    return block_k
 
 
 def choose_decode_chunk(rows: int, kv_len: int, *, kv_heads: int = 1, head_dim: int = 128, v_dim: int | None = None,

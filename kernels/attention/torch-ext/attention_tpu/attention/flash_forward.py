@@ -48,8 +48,8 @@ from .softmax_tiles import LOG2_E, STAT_LANES, finished_rows, online_softmax_ste
 
 
 def _flash_kernel(table_ref, steps_ref, start_ref, end_ref, q_ref, k_ref, v_ref, bounds_ref, o_ref, lse_ref, m_ref,
-                  l_ref, acc_ref, *, block_q: int, block_k: int, skv: int, softcap: float, scale: float,
-                  num_q_blocks: int, rule: kr.KernelRule):
+                  l_ref, acc_ref, *, block_q: int, block_k: int, compute_k: int, skv: int, softcap: float,
+                  scale: float, num_q_blocks: int, rule: kr.KernelRule):
     b, split, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     entry = functools.partial(kr.table_entry, table_ref, b, q_block, num_q_blocks=num_q_blocks)
     kv_block = kr.kv_block_of_step(entry, split, step, pl.num_programs(4))
@@ -63,22 +63,32 @@ def _flash_kernel(table_ref, steps_ref, start_ref, end_ref, q_ref, k_ref, v_ref,
 
     base2 = not softcap  # scores in base 2 (softmax_tiles)
     exp = jnp.exp2 if base2 else jnp.exp
+    # The tile is computed in key sub-blocks of compute_k (blocks.compute_block_k):
+    # [block_q, compute_k] f32 temporaries instead of [block_q, block_k] ones.
+    pieces = block_k // compute_k
 
-    def scores():
-        return tile_scores(load(q_ref), load(k_ref), softcap=softcap, scale=scale)  # [block_q, block_k]
+    def tile(masked_by=None):
+        q = load(q_ref)
+        for j in range(pieces):
+            keys = pl.ds(j * compute_k, compute_k)
+            s = tile_scores(q, load(k_ref.at[keys]), softcap=softcap, scale=scale)  # [block_q, compute_k]
+            v = load(v_ref.at[keys])
+            if masked_by is not None:
+                lo, hi = masked_by
+                first = kv_block * block_k + j * compute_k
+                key_ids = first + lax.broadcasted_iota(jnp.int32, (1, compute_k), 1)
+                s = jnp.where((key_ids >= lo) & (key_ids < hi), s, -jnp.inf)
+                if skv % block_k:  # the tail block holds rows past Skv: garbage, zeroed (0 * NaN is NaN)
+                    key_rows = first + lax.broadcasted_iota(jnp.int32, (compute_k, 1), 0)
+                    v = jnp.where(key_rows < skv, v.astype(jnp.float32), 0.0).astype(v.dtype)
+            online_softmax_step(s, v, m_ref, l_ref, acc_ref, masked=masked_by is not None, exp=exp)
 
     @pl.when(live & whole)
     def _interior():  # every row sees every key of the block: no mask at all
-        online_softmax_step(scores(), load(v_ref), m_ref, l_ref, acc_ref, masked=False, exp=exp)
+        tile()
 
     def edge(lo, hi):
-        keys = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-        s = jnp.where((keys >= lo) & (keys < hi), scores(), -jnp.inf)
-        v = load(v_ref)
-        if skv % block_k:  # the tail block holds rows past Skv: garbage, zeroed (0 * NaN is NaN)
-            key_rows = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
-            v = jnp.where(key_rows < skv, v.astype(jnp.float32), 0.0).astype(v.dtype)
-        online_softmax_step(s, v, m_ref, l_ref, acc_ref, masked=True, exp=exp)
+        tile((lo, hi))
 
     kr.masked_regions(live & jnp.logical_not(whole), entry(kr.RULE) == 1, edge, rule=rule, start_ref=start_ref,
                       end_ref=end_ref, bounds_ref=bounds_ref, b=b, q_block=q_block)
@@ -222,7 +232,8 @@ def _grid_forward(q, k, v, key_bounds, bounds, start, end, table, plan: ForwardP
     def split_rows_at(b, h, split, qb, step, *_):
         return b, h, split, qb, 0
 
-    kernel = functools.partial(_flash_kernel, block_q=block_q, block_k=block_k, skv=skv, softcap=float(softcap),
+    kernel = functools.partial(_flash_kernel, block_q=block_q, block_k=block_k,
+                               compute_k=blocks_lib.compute_block_k(block_q, block_k), skv=skv, softcap=float(softcap),
                                scale=float(scale), num_q_blocks=plan.num_q_blocks,
                                rule=kr.KernelRule(block_q, sq, skv, causal, window))
     # One split: the final output in the kernel's dtype of q; several: f32 partials to merge.
