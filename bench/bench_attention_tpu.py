@@ -346,6 +346,36 @@ def tokamax(generation: str, case: Case, train: bool):
     return (_loss_grad(fn) if train else fn), args
 
 
+def rpa_batch(case: Case):
+    """The case as ragged paged attention's batch: ``case.batch`` sequences
+    of ``case.sq`` new tokens and ``case.filled`` keys each (new ones
+    included), pages of vLLM's default size for a ``case.skv`` model length,
+    each sequence holding only the pages its keys fill."""
+    from tpu_inference_peers import paged_batch, rpa_page_size
+
+    return paged_batch([case.filled] * case.batch, [case.sq] * case.batch, rpa_page_size(case.skv), case.skv)
+
+
+def rpa_label(generation: str, case: Case) -> str:
+    from tpu_inference_peers import rpa_label as label
+
+    return label(generation, rpa_batch(case), (case.hq, case.hkv), case.head_dim, case.batch * case.sq)
+
+
+def rpa(generation: str, case: Case, train: bool):
+    """tpu-inference 0.32.0's ragged paged attention v3 (vLLM's TPU kernel)
+    on the case's batch, returning (fn, args, estimate options)."""
+    if train:
+        raise Unsupported("inference only (no backward)")
+    if case.sinks or case.head_dim == 64:
+        raise Unsupported("sinks and head_dim 64 run on its hd64 kernel: not wired")
+    from tpu_inference_peers import RPA_CACHE_ARG, rpa_args, rpa_fn
+
+    fn = rpa_fn(generation, sm_scale=case.head_dim ** -0.5, sliding_window=case.window or None)
+    args = rpa_args(generation, rpa_batch(case), (case.hq, case.hkv), case.head_dim)
+    return fn, args, {"donate_argnums": (RPA_CACHE_ARG,)}
+
+
 def jax_flash(generation: str, case: Case, train: bool):
     if train:
         raise Unsupported("backward not estimated (unnamed kernels under jax.grad)")
@@ -414,13 +444,15 @@ def short_reason(error: BaseException | str) -> str:
 
 
 def run_one(results, generation, case, mode, contender, make):
-    """Estimate one contender (``make()`` -> (fn, args)); log and record it."""
+    """Estimate one contender (``make()`` -> (fn, args) or (fn, args,
+    ``estimate`` keywords)); log and record it."""
     cell = results.setdefault((generation, case.key, mode), {})
     t0 = time.time()
     try:
-        fn, args = make()
+        fn, args, *options = make()  # options: estimate keywords (e.g. a donated cache)
         flops, min_bytes = roofline_inputs(case, mode == "train")
-        est = tpu_estimator.estimate(fn, list(args), generation, flops=flops, min_bytes=min_bytes)
+        est = tpu_estimator.estimate(fn, list(args), generation, flops=flops, min_bytes=min_bytes,
+                                     **(options[0] if options else {}))
     except Unsupported as exc:
         cell[contender] = f"cannot: {exc}"
     except Exception as exc:  # noqa: BLE001 -- a config the compiler refuses is reported and skipped
@@ -445,13 +477,17 @@ def best_of(cell: dict, prefix: str):
     return name, timed[name]
 
 
-def run(generations, cases, quick: bool, skip_train: bool, results: dict, peers=("splash", "tokamax", "jaxflash"),
+def run(generations, cases, quick: bool, skip_train: bool, results: dict,
+        peers=("splash", "tokamax", "jaxflash", "rpa"),
         skip=()):
     fwd_sweep = SPLASH_FORWARD_QUICK if quick else SPLASH_FORWARD
     bwd_sweep = SPLASH_BACKWARD_QUICK if quick else SPLASH_BACKWARD
     for generation in generations:
         for case in cases:
             run_one(results, generation, case, "fwd", "ours", lambda: ours(generation, case, False))
+            if "rpa" in peers:
+                run_one(results, generation, case, "fwd", rpa_label(generation, case),
+                        lambda: rpa(generation, case, False))
             if not case.prefill:
                 continue
             for blocks in fwd_sweep if "splash" in peers else ():
@@ -517,7 +553,7 @@ def _config_of(name: str) -> str:
 
 
 def _reason(cell: dict, prefix: str, case: Case | None = None) -> str:
-    if case is not None and not case.prefill:
+    if case is not None and not case.prefill and prefix in ("splash@", "tokamax-"):
         return "no decode: " + ("blocks must divide the 1-row query" if prefix == "splash@" else "128-row blocks")
     reasons = {v.split(": ", 1)[1] if ": " in v else v for n, v in cell.items()
                if n.startswith(prefix) and isinstance(v, str)}
@@ -540,7 +576,9 @@ def table_rows(results, generations, cases, mode, calib):
             splash_name, splash_s = best_of(cell, "splash@")
             tk_name, tk_s = best_of(cell, "tokamax-")
             jf_name, jf_s = best_of(cell, "jaxflash@")
-            peers = {n: s for n, s in ((splash_name, splash_s), (tk_name, tk_s), (jf_name, jf_s)) if s}
+            rpa_name, rpa_s = best_of(cell, "rpa@")
+            peers = {n: s for n, s in ((splash_name, splash_s), (tk_name, tk_s), (jf_name, jf_s), (rpa_name, rpa_s))
+                     if s}
             best = min(peers, key=peers.get) if peers else None
             swept = sum(1 for n, v in cell.items() if n.startswith("splash@"))
             refused = sum(1 for n, v in cell.items() if n.startswith("splash@") and not isinstance(v, float))
@@ -560,6 +598,9 @@ def table_rows(results, generations, cases, mode, calib):
                                           else "- (not estimated)")
             if not train:
                 row["jax flash us (512)"] = _fmt_us(jf_s) if jf_s else "-"
+                rpa_any = any(n.startswith("rpa@") for n in cell)
+                row["rpa v3 us (config)"] = (f"{_fmt_us(rpa_s)} ({_config_of(rpa_name)})" if rpa_s else
+                                             f"- ({_reason(cell, 'rpa@')})" if rpa_any else "- (not estimated)")
             row["best peer"] = best.split("@")[0].replace("-default", "").replace("-tuned", "") if best else "-"
             row["ours / best peer"] = f"{ours_s / peers[best]:.2f}" if best else "-"
             rows.append(row)
@@ -662,8 +703,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="a smaller splash sweep (3 forward, 2 backward configs: "
                         "the ones that won on v6e)")
     parser.add_argument("--skip-train", action="store_true", help="forward only")
-    parser.add_argument("--peers", nargs="+", default=["splash", "tokamax", "jaxflash"],
-                        choices=["splash", "tokamax", "jaxflash"])
+    parser.add_argument("--peers", nargs="+", default=["splash", "tokamax", "jaxflash", "rpa"],
+                        choices=["splash", "tokamax", "jaxflash", "rpa"])
     parser.add_argument("--skip-tokamax-train", action="store_true",
                         help="tokamax forward only (its 128-block default's backward compiles for minutes)")
     parser.add_argument("--from-logs", nargs="+", default=None,
