@@ -33,6 +33,16 @@ Per case and generation (bf16, batch 1 unless named):
   sinks: prefill without window only, forward only (its backward kernels are
   unnamed pallas_calls that XLA renames under ``jax.grad``, so the estimator
   cannot match them to their schedules).
+* RPA v3: tpu-inference 0.32.0's ragged paged attention v3 (vLLM's TPU
+  attention kernel, ``kernels/ragged_paged_attention/v3``), called as vLLM
+  calls it on one device (``tpu_inference_peers``: its default block sizes,
+  VMEM limit and ``update_kv_cache``), the KV cache paged at vLLM's default
+  page size for the case's cache length, each sequence holding only the pages
+  its keys fill; the metadata (block table, kv_lens, cu_q_lens,
+  distribution) concrete, so the estimator replays its page copies and
+  loops; the cache donated, as vLLM donates it. Decode: its decode-only
+  kernel; prefill: its mixed kernel; head_dim 64 (gpt-oss, sinks): its hd64
+  variant at its tuned blocks. Forward only.
 
 Ratios: ours / best peer (< 1: ours is faster) and ours / roofline. The
 roofline is ``max(MXU-bound, HBM-bound)`` of the visible (query, key) pairs and
@@ -357,9 +367,11 @@ def rpa_batch(case: Case):
 
 
 def rpa_label(generation: str, case: Case) -> str:
-    from tpu_inference_peers import rpa_label as label
+    import tpu_inference_peers as tip
 
-    return label(generation, rpa_batch(case), (case.hq, case.hkv), case.head_dim, case.batch * case.sq)
+    if case.head_dim == 64:
+        return tip.rpa_hd64_label(generation, rpa_batch(case), (case.hq, case.hkv), case.window or None)
+    return tip.rpa_label(generation, rpa_batch(case), (case.hq, case.hkv), case.head_dim, case.batch * case.sq)
 
 
 def rpa(generation: str, case: Case, train: bool):
@@ -367,13 +379,18 @@ def rpa(generation: str, case: Case, train: bool):
     on the case's batch, returning (fn, args, estimate options)."""
     if train:
         raise Unsupported("inference only (no backward)")
-    if case.sinks or case.head_dim == 64:
-        raise Unsupported("sinks and head_dim 64 run on its hd64 kernel: not wired")
-    from tpu_inference_peers import RPA_CACHE_ARG, rpa_args, rpa_fn
+    import tpu_inference_peers as tip
 
-    fn = rpa_fn(generation, sm_scale=case.head_dim ** -0.5, sliding_window=case.window or None)
-    args = rpa_args(generation, rpa_batch(case), (case.hq, case.hkv), case.head_dim)
-    return fn, args, {"donate_argnums": (RPA_CACHE_ARG,)}
+    heads, window, batch = (case.hq, case.hkv), case.window or None, rpa_batch(case)
+    if case.head_dim == 64:  # vLLM's choice: the hd64 variant, the only one taking sinks
+        fn = tip.rpa_hd64_fn(generation, sm_scale=case.head_dim ** -0.5, sliding_window=window)
+        args = tip.rpa_hd64_args(generation, batch, heads, case.sinks)
+    elif case.sinks:
+        raise Unsupported("sinks only on its head_dim-64 kernel")
+    else:
+        fn = tip.rpa_fn(generation, sm_scale=case.head_dim ** -0.5, sliding_window=window)
+        args = tip.rpa_args(generation, batch, heads, case.head_dim)
+    return fn, args, {"donate_argnums": (tip.RPA_CACHE_ARG,)}
 
 
 def jax_flash(generation: str, case: Case, train: bool):
@@ -676,8 +693,26 @@ def write(results, generations, cases, out_dir, command):
                                                                                SPLASH_BACKWARD_QUICK)
         + "), run where time was short. Where the tokamax column reads 'not estimated', that chip's run "
         "left tokamax out (`--peers splash jaxflash`, for time): on v6e its default ran 5-22x slower than ours. "
-        "Decode: no peer here runs a one-row query against a partly filled static cache (ragged "
-        "paged attention is compared in its own file)."
+        "RPA v3: tpu-inference 0.32.0's ragged paged attention v3 (vLLM's TPU attention kernel), run as "
+        "vLLM runs it on one device: its own defaults, named in the column as page size, bq (query tokens "
+        "fetched / computed per block), bkv (keys fetched / computed per block; / page size = KV pages per "
+        "block) and VMEM limit. Its v3 kernel takes no tuned table (its `tuned_block_sizes.py` holds the older "
+        "(pages, queries) entries, which the v3 path never reads): the blocks are its `get_default_block_sizes` "
+        "(decode: 1 token and 4096 keys per block, computed in one 4096-key chunk however few keys a sequence "
+        "has; prefill on its mixed kernel: v5e/v6e 256 / 128 tokens, 1024 / 512 keys, tpu7x 512 / 256 tokens, "
+        "2048 / 512 keys, Qwen3's 8 heads per KV head half the tokens), the VMEM limit the chip's whole VMEM. "
+        "Its head_dim-64 variant (gpt-oss; the only one taking sinks) reads its tuned table "
+        "(kvpages: KV pages per block, q: query tokens per block) at a 100 MiB VMEM limit. Page size: "
+        "vLLM's default (16 tokens above an 8192 model length, else the length / 16 within [16, 256]); "
+        "each sequence holds only the pages its keys fill, as in serving, and RPA copies only those (ours "
+        "reads the filled keys of a static cache in 1024- or 2048-key chunks). Its time includes what its call "
+        "does beyond ours: writing the step's new K/V into the cache (decode: one token per sequence; "
+        "prefill: the prompt's K/V, 32 MiB for Llama-3 8k), the q / K / V relayouts around the kernel and its "
+        "mixed kernel's pass over an empty range at decode (about 2 us). Not modelled, which favours RPA: the "
+        "estimator charges a copy its bytes only, and RPA issues one DMA per page (256 per 4096-key block at "
+        "16-token pages). Estimated with our jax 0.10.2 (tpu-inference pins 0.11.2; its modules compile "
+        "unchanged, except that the hd64 kernel's `pltpu.reciprocal` is jax 0.10's `pl.reciprocal`) and the "
+        "TPU version its code reads from the device set to the target chip's."
         f"\n\nCommand: `{command}`; tables rebuilt from the logs with `--from-logs`." + missing_note)
     sections = [("Estimated times, forward", fwd_rows),
                 ("Estimated times, forward + backward (prefill)", train_rows),

@@ -1,4 +1,6 @@
-"""tpu-inference 0.32.0 (vLLM's TPU backend) as a peer of the MoE experts benchmark.
+"""tpu-inference 0.32.0 (vLLM's TPU backend) as a peer of the MoE experts
+benchmark and of the attention benchmark (its ragged paged attention v3:
+``bench_attention_tpu.py --peers rpa``, the RPA section below).
 
 Benchmark-only: the wheel is installed without its serving stack
 (bench/requirements-nodeps.lock), so its package ``__init__`` (which imports
@@ -424,3 +426,94 @@ def rpa_args(generation: str, batch: PagedBatch, heads: tuple[int, int], head_di
 
 
 RPA_CACHE_ARG = 3  # donated: the kernel updates the cache in place (input_output_aliases), as vLLM donates it
+
+
+# Its head_dim-64 variant (gpt-oss: the only one with attention sinks)
+# picks its blocks from a tuned table keyed by the device name, which its
+# module imports from ``tpu_inference.utils`` (that module imports vllm): a
+# stand-in module is registered for the import, and the name is set per chip.
+RPA_DEVICE_NAME = {"v5e": "TPU v5e", "v6e": "TPU v6e", "tpu7x": "TPU v7"}
+
+
+def _rpa_hd64_kernel(generation: str):
+    load("kernels")  # registers the bare package
+    name = f"{_PACKAGE}.utils"
+    if name not in sys.modules:
+        stand_in = types.ModuleType(name)
+        stand_in.get_device_name = lambda num_devices=None: None  # replaced per chip below
+        sys.modules[name] = stand_in
+    tuned = load("kernels.ragged_paged_attention.v3.tuned_block_sizes_hd64")
+    version, device = RPA_TPU_VERSION[generation], RPA_DEVICE_NAME[generation]
+    tuned.get_tpu_version = lambda: version
+    tuned.get_device_name = lambda num_devices=None: device
+    kernel = load("kernels.ragged_paged_attention.v3.kernel_hd64")
+    kernel.pltpu = _pltpu_with_reciprocal()
+    return kernel, tuned
+
+
+def _pltpu_with_reciprocal():
+    """``jax.experimental.pallas.tpu`` as the hd64 kernel (written for jax
+    0.11.2, which tpu-inference pins) calls it: its ``pltpu.reciprocal`` is
+    ``pl.reciprocal`` in our jax 0.10.2 (same Mosaic op, ``tpu.reciprocal``).
+    A view of the module for the kernel's globals only; jax itself is left
+    as it is."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    if hasattr(pltpu, "reciprocal"):
+        return pltpu
+    view = types.ModuleType(pltpu.__name__)
+    view.__dict__.update(pltpu.__dict__)
+    view.reciprocal = pl.reciprocal
+    return view
+
+
+def rpa_hd64_blocks(generation: str, batch: PagedBatch, heads: tuple[int, int], window: int | None) -> tuple:
+    """(num_kv_pages_per_block, num_queries_per_block, VMEM limit) the hd64
+    kernel runs with when given none: its tuned table for the chip, else its
+    per-version default; 100 MiB."""
+    import jax.numpy as jnp
+
+    kernel, tuned = _rpa_hd64_kernel(generation)
+    hq, hkv = heads
+    pages_per_seq = len(batch.page_indices) // len(batch.kv_lens)
+    pages, queries = tuned.get_tuned_block_sizes(jnp.bfloat16, jnp.bfloat16, hq, hkv, 64, batch.page_size,
+                                                 int(batch.cu_q_lens[-1]), pages_per_seq, window)
+    return pages, queries, kernel.DEFAULT_VMEM_LIMIT_BYTES
+
+
+def rpa_hd64_label(generation: str, batch: PagedBatch, heads, window: int | None) -> str:
+    """``rpa@hd64,p256,kvpages1,q16,vmem100M``."""
+    pages, queries, vmem = rpa_hd64_blocks(generation, batch, heads, window)
+    return f"rpa@hd64,p{batch.page_size},kvpages{pages},q{queries},vmem{vmem >> 20}M"
+
+
+def rpa_hd64_fn(generation: str, *, sm_scale: float, sliding_window: int | None = None):
+    """``ragged_paged_attention_hd64(q, k, v, kv_cache, kv_lens, page_indices,
+    cu_q_lens, distribution, sinks)`` -> (out, updated cache): the variant
+    vLLM runs for head_dim 64 (and the only one taking sinks), at its defaults."""
+    kernel, _ = _rpa_hd64_kernel(generation)
+    attention = kernel.ragged_paged_attention_hd64.__wrapped__
+
+    def fn(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sinks=None):
+        return attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sinks,
+                         sm_scale=sm_scale, sliding_window=sliding_window)
+
+    return fn
+
+
+def rpa_hd64_args(generation: str, batch: PagedBatch, heads: tuple[int, int], sinks: bool) -> list:
+    """As ``rpa_args`` with the hd64 cache layout (K and V of a head side by
+    side in one 128-lane row), and the sinks (f32 per query head)."""
+    import jax
+    import jax.numpy as jnp
+
+    kernel, _ = _rpa_hd64_kernel(generation)
+    hq, hkv = heads
+    tokens = int(batch.cu_q_lens[-1])
+    bf16 = jnp.bfloat16
+    cache = kernel.get_kv_cache_shape(batch.total_pages, batch.page_size, hkv, 64, bf16)
+    args = [jax.ShapeDtypeStruct((tokens, hq, 64), bf16), jax.ShapeDtypeStruct((tokens, hkv, 64), bf16),
+            jax.ShapeDtypeStruct((tokens, hkv, 64), bf16), jax.ShapeDtypeStruct(cache, bf16),
+            batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.distribution]
+    return args + [jax.ShapeDtypeStruct((hq,), jnp.float32)] if sinks else args
