@@ -366,15 +366,27 @@ def rpa_batch(case: Case):
     return paged_batch([case.filled] * case.batch, [case.sq] * case.batch, rpa_page_size(case.skv), case.skv)
 
 
-def rpa_label(generation: str, case: Case) -> str:
+def rpa_label(generation: str, case: Case, mixed_blocks=None) -> str:
     import tpu_inference_peers as tip
 
     if case.head_dim == 64:
         return tip.rpa_hd64_label(generation, rpa_batch(case), (case.hq, case.hkv), case.window or None)
-    return tip.rpa_label(generation, rpa_batch(case), (case.hq, case.hkv), case.head_dim, case.batch * case.sq)
+    return tip.rpa_label(generation, rpa_batch(case), (case.hq, case.hkv), case.head_dim, case.batch * case.sq,
+                         mixed_blocks)
 
 
-def rpa(generation: str, case: Case, train: bool):
+def rpa_halved_blocks(generation: str, case: Case) -> tuple[int, int, int, int]:
+    """Its mixed kernel's default blocks with the query blocks (fetched and
+    computed) halved: what a user sets (RPA_V3_MIXED_BLOCK_SIZES) when the
+    defaults exceed the VMEM limit."""
+    from tpu_inference_peers import rpa_block_sizes
+
+    s = rpa_block_sizes(generation, rpa_batch(case), (case.hq, case.hkv), case.head_dim,
+                        case.batch * case.sq)["mixed"]
+    return max(1, s["bq_sz"] // 2), s["bkv_sz"], max(1, s["bq_csz"] // 2), s["bkv_csz"]
+
+
+def rpa(generation: str, case: Case, train: bool, mixed_blocks=None):
     """tpu-inference 0.32.0's ragged paged attention v3 (vLLM's TPU kernel)
     on the case's batch, returning (fn, args, estimate options)."""
     if train:
@@ -388,7 +400,7 @@ def rpa(generation: str, case: Case, train: bool):
     elif case.sinks:
         raise Unsupported("sinks only on its head_dim-64 kernel")
     else:
-        fn = tip.rpa_fn(generation, sm_scale=case.head_dim ** -0.5, sliding_window=window)
+        fn = tip.rpa_fn(generation, sm_scale=case.head_dim ** -0.5, sliding_window=window, mixed_blocks=mixed_blocks)
         args = tip.rpa_args(generation, batch, heads, case.head_dim)
     return fn, args, {"donate_argnums": (tip.RPA_CACHE_ARG,)}
 
@@ -503,8 +515,12 @@ def run(generations, cases, quick: bool, skip_train: bool, results: dict,
         for case in cases:
             run_one(results, generation, case, "fwd", "ours", lambda: ours(generation, case, False))
             if "rpa" in peers:
-                run_one(results, generation, case, "fwd", rpa_label(generation, case),
-                        lambda: rpa(generation, case, False))
+                label = rpa_label(generation, case)
+                run_one(results, generation, case, "fwd", label, lambda: rpa(generation, case, False))
+                if case.prefill and "VMEM" in str(results[(generation, case.key, "fwd")][label]):
+                    blocks = rpa_halved_blocks(generation, case)  # its defaults exceed the VMEM limit
+                    run_one(results, generation, case, "fwd", rpa_label(generation, case, blocks),
+                            lambda: rpa(generation, case, False, blocks))
             if not case.prefill:
                 continue
             for blocks in fwd_sweep if "splash" in peers else ():
@@ -700,15 +716,23 @@ def write(results, generations, cases, out_dir, command):
         "(pages, queries) entries, which the v3 path never reads): the blocks are its `get_default_block_sizes` "
         "(decode: 1 token and 4096 keys per block, computed in one 4096-key chunk however few keys a sequence "
         "has; prefill on its mixed kernel: v5e/v6e 256 / 128 tokens, 1024 / 512 keys, tpu7x 512 / 256 tokens, "
-        "2048 / 512 keys, Qwen3's 8 heads per KV head half the tokens), the VMEM limit the chip's whole VMEM. "
+        "2048 / 512 keys, Qwen3's 8 heads per KV head half the tokens), the VMEM limit the chip's whole VMEM. Where "
+        "the compiler refuses its defaults (tpu7x, Llama-3 8k prefill: 72 MiB of VMEM used over the 64 MiB "
+        "limit, with our libtpu 0.0.52; tpu-inference pins 0.0.48) it is listed at its query blocks halved, "
+        "',set' in the column (what a user sets through vLLM's RPA_V3_MIXED_BLOCK_SIZES). "
         "Its head_dim-64 variant (gpt-oss; the only one taking sinks) reads its tuned table "
         "(kvpages: KV pages per block, q: query tokens per block) at a 100 MiB VMEM limit. Page size: "
         "vLLM's default (16 tokens above an 8192 model length, else the length / 16 within [16, 256]); "
         "each sequence holds only the pages its keys fill, as in serving, and RPA copies only those (ours "
         "reads the filled keys of a static cache in 1024- or 2048-key chunks). Its time includes what its call "
         "does beyond ours: writing the step's new K/V into the cache (decode: one token per sequence; "
-        "prefill: the prompt's K/V, 32 MiB for Llama-3 8k), the q / K / V relayouts around the kernel and its "
-        "mixed kernel's pass over an empty range at decode (about 2 us). Not modelled, which favours RPA: the "
+        "prefill: the prompt's K/V, 32 MiB for Llama-3 8k), the relayouts of q, K / V and the output around "
+        "the kernel (XLA ops; Llama-3 8k prefill on v6e: 205 of its 2609 us, its kernel alone 2405), and the "
+        "pass of its decode / mixed kernel over an empty range (2-5 us). It keeps the running max, sum and "
+        "output accumulator in bf16 for bf16 inputs (its default `out_dtype`; ours: f32). Its hd64 kernel "
+        "visits every KV block of the sequence for every query block (in a prefill from an empty cache no "
+        "causal or window skip; masks drop the rest): in gpt-oss's 8k prefill at 16-token query blocks it "
+        "reads the whole K/V 512 times. Not modelled, which favours RPA: the "
         "estimator charges a copy its bytes only, and RPA issues one DMA per page (256 per 4096-key block at "
         "16-token pages). Estimated with our jax 0.10.2 (tpu-inference pins 0.11.2; its modules compile "
         "unchanged, except that the hd64 kernel's `pltpu.reciprocal` is jax 0.10's `pl.reciprocal`) and the "

@@ -379,30 +379,40 @@ def rpa_vmem_limit(generation: str) -> int:
         return int(pltpu.get_tpu_info().vmem_capacity_bytes)
 
 
-def rpa_label(generation: str, batch: PagedBatch, heads, head_dim: int, tokens: int) -> str:
+def rpa_label(generation: str, batch: PagedBatch, heads, head_dim: int, tokens: int,
+              mixed_blocks: tuple[int, int, int, int] | None = None) -> str:
     """The contender's name in the logs: page size and the block sizes of the
     kernel that does the work (decode-only batch: the decode kernel, else the
-    mixed one), ``rpa@p16,bq1/1,bkv4096/4096,vmem128M`` (fetch / compute)."""
-    sizes = rpa_block_sizes(generation, batch, heads, head_dim, tokens)
-    s = sizes["decode" if batch.distribution[0] == len(batch.kv_lens) else "mixed"]
-    return (f"rpa@p{batch.page_size},bq{s['bq_sz']}/{s['bq_csz']},bkv{s['bkv_sz']}/{s['bkv_csz']},"
-            f"vmem{rpa_vmem_limit(generation) >> 20}M")
+    mixed one), ``rpa@p16,bq1/1,bkv4096/4096,vmem128M`` (fetch / compute);
+    ``,set`` ends it where ``mixed_blocks`` replaces its defaults."""
+    if mixed_blocks is not None:
+        bq, bkv, bq_c, bkv_c = mixed_blocks
+        blocks = f"bq{bq}/{bq_c},bkv{bkv}/{bkv_c}"
+    else:
+        sizes = rpa_block_sizes(generation, batch, heads, head_dim, tokens)
+        s = sizes["decode" if batch.distribution[0] == len(batch.kv_lens) else "mixed"]
+        blocks = f"bq{s['bq_sz']}/{s['bq_csz']},bkv{s['bkv_sz']}/{s['bkv_csz']}"
+    return (f"rpa@p{batch.page_size},{blocks},vmem{rpa_vmem_limit(generation) >> 20}M"
+            + (",set" if mixed_blocks is not None else ""))
 
 
-def rpa_fn(generation: str, *, sm_scale: float, sliding_window: int | None = None):
+def rpa_fn(generation: str, *, sm_scale: float, sliding_window: int | None = None,
+           mixed_blocks: tuple[int, int, int, int] | None = None):
     """``ragged_paged_attention(q [T, Hq, D], k, v [T, Hkv, D], kv_cache,
     kv_lens, page_indices, cu_q_lens, distribution)`` -> (out, updated
     cache), as vLLM calls it on one device: its defaults (block sizes, VMEM
     limit, ``update_kv_cache=True``: the step's new K/V are written into the
     cache by the kernel). The un-jitted function: its own ``jax.jit`` would
     keep the trace of the first chip (the TPU version it reads is not part of
-    the jit's cache key)."""
+    the jit's cache key). ``mixed_blocks``: (bq_sz, bkv_sz, bq_csz, bkv_csz)
+    of its mixed kernel instead of its defaults (what vLLM's
+    RPA_V3_MIXED_BLOCK_SIZES sets)."""
     kernel = _rpa_kernel(generation)
     attention = kernel.ragged_paged_attention.__wrapped__
 
     def fn(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution):
         return attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sm_scale=sm_scale,
-                         sliding_window=sliding_window)
+                         sliding_window=sliding_window, m_block_sizes=mixed_blocks)
 
     return fn
 
