@@ -718,7 +718,7 @@ def write(results, generations, cases, out_dir, command):
         "(decode: 1 token and 4096 keys per block, computed in one 4096-key chunk however few keys a sequence "
         "has; prefill on its mixed kernel: v5e/v6e 256 / 128 tokens, 1024 / 512 keys, tpu7x 512 / 256 tokens, "
         "2048 / 512 keys, Qwen3's 8 heads per KV head half the tokens), the VMEM limit the chip's whole VMEM. Where "
-        "the compiler refuses its defaults (tpu7x, Llama-3 8k prefill: 72 MiB of VMEM used over the 64 MiB "
+        "the compiler refuses its defaults (tpu7x, Llama-3 8k and 32k prefill: 72 MiB of VMEM used over the 64 MiB "
         "limit, with our libtpu 0.0.52; tpu-inference pins 0.0.48) it is listed at its query blocks halved, "
         "',set' in the column (what a user sets through vLLM's RPA_V3_MIXED_BLOCK_SIZES). "
         "Its head_dim-64 variant (gpt-oss; the only one taking sinks) reads its tuned table "
