@@ -33,6 +33,16 @@ Per case and generation (bf16, batch 1 unless named):
   sinks: prefill without window only, forward only (its backward kernels are
   unnamed pallas_calls that XLA renames under ``jax.grad``, so the estimator
   cannot match them to their schedules).
+* RPA v3: tpu-inference 0.32.0's ragged paged attention v3 (vLLM's TPU
+  attention kernel, ``kernels/ragged_paged_attention/v3``), called as vLLM
+  calls it on one device (``tpu_inference_peers``: its default block sizes,
+  VMEM limit and ``update_kv_cache``), the KV cache paged at vLLM's default
+  page size for the case's cache length, each sequence holding only the pages
+  its keys fill; the metadata (block table, kv_lens, cu_q_lens,
+  distribution) concrete, so the estimator replays its page copies and
+  loops; the cache donated, as vLLM donates it. Decode: its decode-only
+  kernel; prefill: its mixed kernel; head_dim 64 (gpt-oss, sinks): its hd64
+  variant at its tuned blocks. Forward only.
 
 Ratios: ours / best peer (< 1: ours is faster) and ours / roofline. The
 roofline is ``max(MXU-bound, HBM-bound)`` of the visible (query, key) pairs and
@@ -46,7 +56,8 @@ the tables from such lines (runs cut short, parts run separately).
 
 Usage:
     python bench/bench_attention_tpu.py [--generations v6e tpu7x v5e] [--cases llama3-8b-8k ...]
-        [--quick] [--skip-train] [--from-logs bench/results/attention_tpu_v6e.log ...]
+        [--quick] [--skip-train] [--peers splash tokamax jaxflash rpa]
+        [--from-logs bench/results/attention_tpu_v6e.log ...]
 Writes bench/results/attention_tpu.md.
 """
 
@@ -346,6 +357,55 @@ def tokamax(generation: str, case: Case, train: bool):
     return (_loss_grad(fn) if train else fn), args
 
 
+def rpa_batch(case: Case):
+    """The case as ragged paged attention's batch: ``case.batch`` sequences
+    of ``case.sq`` new tokens and ``case.filled`` keys each (new ones
+    included), pages of vLLM's default size for a ``case.skv`` model length,
+    each sequence holding only the pages its keys fill."""
+    from tpu_inference_peers import paged_batch, rpa_page_size
+
+    return paged_batch([case.filled] * case.batch, [case.sq] * case.batch, rpa_page_size(case.skv), case.skv)
+
+
+def rpa_label(generation: str, case: Case, mixed_blocks=None) -> str:
+    import tpu_inference_peers as tip
+
+    if case.head_dim == 64:
+        return tip.rpa_hd64_label(generation, rpa_batch(case), (case.hq, case.hkv), case.window or None)
+    return tip.rpa_label(generation, rpa_batch(case), (case.hq, case.hkv), case.head_dim, case.batch * case.sq,
+                         mixed_blocks)
+
+
+def rpa_halved_blocks(generation: str, case: Case) -> tuple[int, int, int, int]:
+    """Its mixed kernel's default blocks with the query blocks (fetched and
+    computed) halved: what a user sets (RPA_V3_MIXED_BLOCK_SIZES) when the
+    defaults exceed the VMEM limit."""
+    from tpu_inference_peers import rpa_block_sizes
+
+    s = rpa_block_sizes(generation, rpa_batch(case), (case.hq, case.hkv), case.head_dim,
+                        case.batch * case.sq)["mixed"]
+    return max(1, s["bq_sz"] // 2), s["bkv_sz"], max(1, s["bq_csz"] // 2), s["bkv_csz"]
+
+
+def rpa(generation: str, case: Case, train: bool, mixed_blocks=None):
+    """tpu-inference 0.32.0's ragged paged attention v3 (vLLM's TPU kernel)
+    on the case's batch, returning (fn, args, estimate options)."""
+    if train:
+        raise Unsupported("inference only (no backward)")
+    import tpu_inference_peers as tip
+
+    heads, window, batch = (case.hq, case.hkv), case.window or None, rpa_batch(case)
+    if case.head_dim == 64:  # vLLM's choice: the hd64 variant, the only one taking sinks
+        fn = tip.rpa_hd64_fn(generation, sm_scale=case.head_dim ** -0.5, sliding_window=window)
+        args = tip.rpa_hd64_args(generation, batch, heads, case.sinks)
+    elif case.sinks:
+        raise Unsupported("sinks only on its head_dim-64 kernel")
+    else:
+        fn = tip.rpa_fn(generation, sm_scale=case.head_dim ** -0.5, sliding_window=window, mixed_blocks=mixed_blocks)
+        args = tip.rpa_args(generation, batch, heads, case.head_dim)
+    return fn, args, {"donate_argnums": (tip.RPA_CACHE_ARG,)}
+
+
 def jax_flash(generation: str, case: Case, train: bool):
     if train:
         raise Unsupported("backward not estimated (unnamed kernels under jax.grad)")
@@ -414,13 +474,15 @@ def short_reason(error: BaseException | str) -> str:
 
 
 def run_one(results, generation, case, mode, contender, make):
-    """Estimate one contender (``make()`` -> (fn, args)); log and record it."""
+    """Estimate one contender (``make()`` -> (fn, args) or (fn, args,
+    ``estimate`` keywords)); log and record it."""
     cell = results.setdefault((generation, case.key, mode), {})
     t0 = time.time()
     try:
-        fn, args = make()
+        fn, args, *options = make()  # options: estimate keywords (e.g. a donated cache)
         flops, min_bytes = roofline_inputs(case, mode == "train")
-        est = tpu_estimator.estimate(fn, list(args), generation, flops=flops, min_bytes=min_bytes)
+        est = tpu_estimator.estimate(fn, list(args), generation, flops=flops, min_bytes=min_bytes,
+                                     **(options[0] if options else {}))
     except Unsupported as exc:
         cell[contender] = f"cannot: {exc}"
     except Exception as exc:  # noqa: BLE001 -- a config the compiler refuses is reported and skipped
@@ -445,13 +507,21 @@ def best_of(cell: dict, prefix: str):
     return name, timed[name]
 
 
-def run(generations, cases, quick: bool, skip_train: bool, results: dict, peers=("splash", "tokamax", "jaxflash"),
+def run(generations, cases, quick: bool, skip_train: bool, results: dict,
+        peers=("splash", "tokamax", "jaxflash", "rpa"),
         skip=()):
     fwd_sweep = SPLASH_FORWARD_QUICK if quick else SPLASH_FORWARD
     bwd_sweep = SPLASH_BACKWARD_QUICK if quick else SPLASH_BACKWARD
     for generation in generations:
         for case in cases:
             run_one(results, generation, case, "fwd", "ours", lambda: ours(generation, case, False))
+            if "rpa" in peers:
+                label = rpa_label(generation, case)
+                run_one(results, generation, case, "fwd", label, lambda: rpa(generation, case, False))
+                if case.prefill and "VMEM" in str(results[(generation, case.key, "fwd")][label]):
+                    blocks = rpa_halved_blocks(generation, case)  # its defaults exceed the VMEM limit
+                    run_one(results, generation, case, "fwd", rpa_label(generation, case, blocks),
+                            lambda: rpa(generation, case, False, blocks))
             if not case.prefill:
                 continue
             for blocks in fwd_sweep if "splash" in peers else ():
@@ -517,7 +587,7 @@ def _config_of(name: str) -> str:
 
 
 def _reason(cell: dict, prefix: str, case: Case | None = None) -> str:
-    if case is not None and not case.prefill:
+    if case is not None and not case.prefill and prefix in ("splash@", "tokamax-"):
         return "no decode: " + ("blocks must divide the 1-row query" if prefix == "splash@" else "128-row blocks")
     reasons = {v.split(": ", 1)[1] if ": " in v else v for n, v in cell.items()
                if n.startswith(prefix) and isinstance(v, str)}
@@ -540,7 +610,9 @@ def table_rows(results, generations, cases, mode, calib):
             splash_name, splash_s = best_of(cell, "splash@")
             tk_name, tk_s = best_of(cell, "tokamax-")
             jf_name, jf_s = best_of(cell, "jaxflash@")
-            peers = {n: s for n, s in ((splash_name, splash_s), (tk_name, tk_s), (jf_name, jf_s)) if s}
+            rpa_name, rpa_s = best_of(cell, "rpa@")
+            peers = {n: s for n, s in ((splash_name, splash_s), (tk_name, tk_s), (jf_name, jf_s), (rpa_name, rpa_s))
+                     if s}
             best = min(peers, key=peers.get) if peers else None
             swept = sum(1 for n, v in cell.items() if n.startswith("splash@"))
             refused = sum(1 for n, v in cell.items() if n.startswith("splash@") and not isinstance(v, float))
@@ -560,6 +632,9 @@ def table_rows(results, generations, cases, mode, calib):
                                           else "- (not estimated)")
             if not train:
                 row["jax flash us (512)"] = _fmt_us(jf_s) if jf_s else "-"
+                rpa_any = any(n.startswith("rpa@") for n in cell)
+                row["rpa v3 us (config)"] = (f"{_fmt_us(rpa_s)} ({_config_of(rpa_name)})" if rpa_s else
+                                             f"- ({_reason(cell, 'rpa@')})" if rpa_any else "- (not estimated)")
             row["best peer"] = best.split("@")[0].replace("-default", "").replace("-tuned", "") if best else "-"
             row["ours / best peer"] = f"{ours_s / peers[best]:.2f}" if best else "-"
             rows.append(row)
@@ -635,8 +710,35 @@ def write(results, generations, cases, out_dir, command):
                                                                                SPLASH_BACKWARD_QUICK)
         + "), run where time was short. Where the tokamax column reads 'not estimated', that chip's run "
         "left tokamax out (`--peers splash jaxflash`, for time): on v6e its default ran 5-22x slower than ours. "
-        "Decode: no peer here runs a one-row query against a partly filled static cache (ragged "
-        "paged attention is compared in its own file)."
+        "RPA v3: tpu-inference 0.32.0's ragged paged attention v3 (vLLM's TPU attention kernel), run as "
+        "vLLM runs it on one device: its own defaults, named in the column as page size, bq (query tokens "
+        "fetched / computed per block), bkv (keys fetched / computed per block; / page size = KV pages per "
+        "block) and VMEM limit. Its v3 kernel takes no tuned table (its `tuned_block_sizes.py` holds the older "
+        "(pages, queries) entries, which the v3 path never reads): the blocks are its `get_default_block_sizes` "
+        "(decode: 1 token and 4096 keys per block, computed in one 4096-key chunk however few keys a sequence "
+        "has; prefill on its mixed kernel: v5e/v6e 256 / 128 tokens, 1024 / 512 keys, tpu7x 512 / 256 tokens, "
+        "2048 / 512 keys, Qwen3's 8 heads per KV head half the tokens), the VMEM limit the chip's whole VMEM. Where "
+        "the compiler refuses its defaults (tpu7x, Llama-3 8k and 32k prefill: 72 MiB of VMEM used over the 64 MiB "
+        "limit, with our libtpu 0.0.52; tpu-inference pins 0.0.48) it is listed at its query blocks halved, "
+        "',set' in the column (what a user sets through vLLM's RPA_V3_MIXED_BLOCK_SIZES). "
+        "Its head_dim-64 variant (gpt-oss; the only one taking sinks) reads its tuned table "
+        "(kvpages: KV pages per block, q: query tokens per block) at a 100 MiB VMEM limit. Page size: "
+        "vLLM's default (16 tokens above an 8192 model length, else the length / 16 within [16, 256]); "
+        "each sequence holds only the pages its keys fill, as in serving, and RPA copies only those (ours "
+        "reads the filled keys of a static cache in 1024- or 2048-key chunks). Its time includes what its call "
+        "does beyond ours: writing the step's new K/V into the cache (decode: one token per sequence; "
+        "prefill: the prompt's K/V, 32 MiB for Llama-3 8k), the relayouts of q, K / V and the output around "
+        "the kernel (XLA ops; Llama-3 8k prefill on v6e: 205 of its 2609 us, its kernel alone 2405), and the "
+        "pass of its decode / mixed kernel over an empty range (2-5 us). It keeps the running max, sum and "
+        "output accumulator in bf16 for bf16 inputs (its default `out_dtype`; ours: f32). Its hd64 kernel "
+        "visits every KV block of the sequence for every query block (in a prefill from an empty cache no "
+        "causal or window skip; masks drop the rest): in gpt-oss's 8k prefill at 16-token query blocks "
+        "(v6e, tpu7x; 8 on v5e) it reads the whole K/V 512 times (v5e: 1024). Not modelled, which favours RPA: the "
+        "estimator charges a copy its bytes only, and RPA issues one DMA per page (256 per 4096-key block at "
+        "16-token pages). Estimated with our jax 0.10.2 (tpu-inference pins 0.11.2; its modules compile "
+        "unchanged, except that the hd64 kernel's `pltpu.reciprocal` is jax 0.10's `pl.reciprocal`) and the "
+        "TPU version its code reads from the device set to the target chip's. The v5e prefill rows come from "
+        "the RPA run (`attention_tpu_rpa.log`): ours and RPA only, no splash / tokamax / JAX flash there."
         f"\n\nCommand: `{command}`; tables rebuilt from the logs with `--from-logs`." + missing_note)
     sections = [("Estimated times, forward", fwd_rows),
                 ("Estimated times, forward + backward (prefill)", train_rows),
@@ -662,8 +764,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="a smaller splash sweep (3 forward, 2 backward configs: "
                         "the ones that won on v6e)")
     parser.add_argument("--skip-train", action="store_true", help="forward only")
-    parser.add_argument("--peers", nargs="+", default=["splash", "tokamax", "jaxflash"],
-                        choices=["splash", "tokamax", "jaxflash"])
+    parser.add_argument("--peers", nargs="+", default=["splash", "tokamax", "jaxflash", "rpa"],
+                        choices=["splash", "tokamax", "jaxflash", "rpa"])
     parser.add_argument("--skip-tokamax-train", action="store_true",
                         help="tokamax forward only (its 128-block default's backward compiles for minutes)")
     parser.add_argument("--from-logs", nargs="+", default=None,

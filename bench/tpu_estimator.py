@@ -1086,9 +1086,12 @@ def row_major(ndim: int, sharding):
     return Format(Layout(major_to_minor=tuple(range(ndim))), sharding)
 
 
-def aot_compile(fn, args, chip: Chip):
+def aot_compile(fn, args, chip: Chip, donate_argnums: tuple[int, ...] = ()):
     """``fn`` compiled ahead of time for one device of the chip, its
-    arguments and results in the default layout (``row_major``)."""
+    arguments and results in the default layout (``row_major``).
+    ``donate_argnums``: arguments the caller gives up, as a serving loop
+    donates a KV cache a kernel updates in place (``input_output_aliases``);
+    without donation XLA copies the whole aliased input first."""
     import jax
 
     device = chip_device(chip)
@@ -1098,10 +1101,10 @@ def aot_compile(fn, args, chip: Chip):
     with jax.default_device(device):  # code that asks pltpu.get_tpu_info() sees the target chip
         outs = jax.eval_shape(fn, *specs)
         out_formats = jax.tree.map(lambda o: row_major(len(o.shape), sharding), outs)
-        return jax.jit(fn, out_shardings=out_formats).lower(*specs).compile()
+        return jax.jit(fn, out_shardings=out_formats, donate_argnums=donate_argnums).lower(*specs).compile()
 
 
-def compile_with_dump(fn, args, chip: Chip) -> pathlib.Path:
+def compile_with_dump(fn, args, chip: Chip, donate_argnums: tuple[int, ...] = ()) -> pathlib.Path:
     """AOT-compile ``fn`` for one chip; returns a folder holding only this
     compile's dump files (the caller deletes it)."""
     import jax
@@ -1109,7 +1112,7 @@ def compile_with_dump(fn, args, chip: Chip) -> pathlib.Path:
     root = _libtpu_dump_dir()
     for p in root.iterdir():  # leftovers of an earlier compile
         p.unlink() if p.is_file() else shutil.rmtree(p)
-    aot_compile(fn, args, chip)
+    aot_compile(fn, args, chip, donate_argnums)
     own = pathlib.Path(tempfile.mkdtemp(prefix="tpu_dump_"))
     for p in root.iterdir():
         # Keep only what the estimate reads: the final schedules.
@@ -1125,7 +1128,8 @@ def compile_with_dump(fn, args, chip: Chip) -> pathlib.Path:
 
 
 def estimate(fn, args, generation: str, *, flops: float, min_bytes: float, replay_for=None,
-             what_if: dict[str, Chip] | None = None, kernel_refs=None) -> Estimate:
+             what_if: dict[str, Chip] | None = None, kernel_refs=None,
+             donate_argnums: tuple[int, ...] = ()) -> Estimate:
     """Estimated seconds of ``fn(*args)`` on one JAX device of ``generation``
     (one TensorCore; a v5p megacore's two where a kernel's grid splits).
 
@@ -1139,7 +1143,9 @@ def estimate(fn, args, generation: str, *, flops: float, min_bytes: float, repla
     (``replay``'s ``known_refs``), e.g. routing tables it computes in SMEM.
     ``what_if``: other constants for the same chip (a clock, a bandwidth):
     the same schedules and replays re-simulated with each, seconds in
-    ``Estimate.what_if`` (to test which constant a miss points at)."""
+    ``Estimate.what_if`` (to test which constant a miss points at).
+    ``donate_argnums``: arguments donated to the program (``aot_compile``),
+    e.g. a KV cache the kernel updates in place."""
     import jax
 
     chip = CHIPS[generation]
@@ -1147,7 +1153,7 @@ def estimate(fn, args, generation: str, *, flops: float, min_bytes: float, repla
         calls = kernel_calls(fn, args)
     if not calls:
         raise ValueError("fn has no Pallas kernel")
-    dump = compile_with_dump(fn, args, chip)
+    dump = compile_with_dump(fn, args, chip, donate_argnums)
     try:
         kernels, dumps, alternatives = [], {}, {name: 0.0 for name in what_if or {}}
         for call in calls:

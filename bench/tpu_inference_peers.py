@@ -1,4 +1,6 @@
-"""tpu-inference 0.32.0 (vLLM's TPU backend) as a peer of the MoE experts benchmark.
+"""tpu-inference 0.32.0 (vLLM's TPU backend) as a peer of the MoE experts
+benchmark and of the attention benchmark (its ragged paged attention v3:
+``bench_attention_tpu.py --peers rpa``, the RPA section below).
 
 Benchmark-only: the wheel is installed without its serving stack
 (bench/requirements-nodeps.lock), so its package ``__init__`` (which imports
@@ -32,6 +34,7 @@ Contenders (names for ``bench_tpu_estimates.py --contenders``):
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import logging
@@ -275,3 +278,252 @@ def table_note(contenders) -> str:
             "every block is taken to route as the first two. gpt-oss-20b: hidden and intermediate 2880 padded to 3072 "
             "as tpu-inference pads them when loading the weights (the kernel takes multiples of 128 only).")
     return "".join(n + "\n\n" for n in notes)
+
+
+# ----------------------------------------------------------------------------
+# tpu-inference ragged paged attention v3 (vLLM's TPU attention kernel)
+# ----------------------------------------------------------------------------
+
+# The TPU version its kernels read from ``jax.devices()[0].device_kind``; the
+# estimator compiles for a chip it does not run on (the process's devices are
+# CPUs), so the version of the target chip is set by hand (``_rpa_kernel``).
+RPA_TPU_VERSION = {"v5e": 5, "v6e": 6, "tpu7x": 7}
+
+
+def rpa_page_size(max_model_len: int) -> int:
+    """The KV page size vLLM's TPU backend picks when the user sets none
+    (tpu-inference 0.32.0, ``PallasAttentionBackend.get_page_size``): 16 above
+    8192 tokens (larger pages spill its VMEM there), else the model length's
+    power of two / 16, within [16, 256]."""
+    if max_model_len > 8192:
+        return 16
+    pow2 = 1 << max(max_model_len - 1, 0).bit_length()
+    return min(256, max(16, pow2 // 16))
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedBatch:
+    """The metadata arrays ragged paged attention takes for a batch, as a
+    serving loop builds them: each sequence owns the pages its keys fill
+    (``ceil(kv_len / page_size)``, numbered in order after the previous
+    sequence's), its row of the block table is ``pages_per_seq`` wide (the
+    model length's pages; unused entries 0)."""
+
+    kv_lens: np.ndarray  # i32[seqs]: keys of each sequence, its new tokens included
+    page_indices: np.ndarray  # i32[seqs * pages_per_seq]: the block table, row-major
+    cu_q_lens: np.ndarray  # i32[seqs + 1]: where each sequence's queries start in the token axis
+    distribution: np.ndarray  # i32[3]: (decode-only end, chunked-prefill end, mixed end)
+    total_pages: int  # pages of the cache: the ones the batch holds
+    page_size: int
+
+
+def paged_batch(kv_lens, q_lens, page_size: int, max_model_len: int) -> PagedBatch:
+    """``kv_lens`` / ``q_lens``: per sequence. Sequences of one query token
+    are decode-only (first in the batch, as the scheduler orders them), the
+    others mixed (vLLM runs no separate chunked-prefill group unless
+    ``chunk_prefill_size`` is set)."""
+    kv_lens = np.asarray(kv_lens, np.int32)
+    q_lens = np.asarray(q_lens, np.int32)
+    if kv_lens.shape != q_lens.shape or kv_lens.ndim != 1 or not len(kv_lens):
+        raise ValueError(f"kv_lens {kv_lens.shape} and q_lens {q_lens.shape} must be one length per sequence")
+    if (q_lens < 1).any() or (kv_lens < q_lens).any():
+        raise ValueError("each sequence needs q_lens >= 1 and kv_lens >= q_lens (its new tokens are keys too)")
+    if kv_lens.max() > max_model_len:
+        raise ValueError(f"kv_lens up to {kv_lens.max()} exceed max_model_len {max_model_len}")
+    decode = q_lens == 1
+    if (np.diff(decode.astype(np.int8)) > 0).any():  # a decode sequence after a longer one
+        raise ValueError("decode-only sequences (q_lens 1) must come first")
+    pages_per_seq = -(-max_model_len // page_size)
+    owned = -(-kv_lens // page_size)
+    first = np.concatenate([[0], np.cumsum(owned)[:-1]])
+    table = np.zeros((len(kv_lens), pages_per_seq), np.int32)
+    columns = np.arange(pages_per_seq)
+    table[:] = np.where(columns < owned[:, None], first[:, None] + columns, 0)
+    seqs, decodes = len(kv_lens), int(decode.sum())
+    return PagedBatch(kv_lens, table.reshape(-1), np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
+                      np.array([decodes, decodes, seqs], np.int32), int(max(owned.sum(), 1)), page_size)
+
+
+def _rpa_kernel(generation: str):
+    kernel = load("kernels.ragged_paged_attention.v3.kernel")
+    version = RPA_TPU_VERSION[generation]
+    kernel.get_tpu_version = lambda: version
+    return kernel
+
+
+def rpa_block_sizes(generation: str, batch: PagedBatch, heads: tuple[int, int], head_dim: int,
+                    tokens: int) -> dict[str, dict[str, int]]:
+    """The (bq_sz, bkv_sz, bq_csz, bkv_csz) its decode and mixed kernels run
+    with when the caller passes none: ``get_default_block_sizes`` (v3 has no
+    tuned table for its default head dims; its ``tuned_block_sizes.py`` is the
+    older (pages, queries) table, read by nothing in the v3 path; vLLM passes
+    block sizes only from the RPA_V3_*_BLOCK_SIZES environment variables)."""
+    import jax.numpy as jnp
+
+    kernel = _rpa_kernel(generation)
+    hq, hkv = heads
+    pages_per_seq = len(batch.page_indices) // len(batch.kv_lens)
+    return {case.name.lower(): kernel.get_default_block_sizes(
+        jnp.bfloat16, jnp.bfloat16, hq, hkv, head_dim, batch.page_size, tokens, len(batch.kv_lens), pages_per_seq,
+        case=case) for case in (kernel.RpaCase.DECODE, kernel.RpaCase.MIXED)}
+
+
+def rpa_vmem_limit(generation: str) -> int:
+    """Its VMEM limit when given none: the chip's whole VMEM."""
+    import jax
+    from jax.experimental.pallas import tpu as pltpu
+
+    import tpu_estimator
+
+    with jax.default_device(tpu_estimator.chip_device(tpu_estimator.CHIPS[generation])):
+        return int(pltpu.get_tpu_info().vmem_capacity_bytes)
+
+
+def rpa_label(generation: str, batch: PagedBatch, heads, head_dim: int, tokens: int,
+              mixed_blocks: tuple[int, int, int, int] | None = None) -> str:
+    """The contender's name in the logs: page size and the block sizes of the
+    kernel that does the work (decode-only batch: the decode kernel, else the
+    mixed one), ``rpa@p16,bq1/1,bkv4096/4096,vmem128M`` (fetch / compute);
+    ``,set`` ends it where ``mixed_blocks`` replaces its defaults."""
+    if mixed_blocks is not None:
+        bq, bkv, bq_c, bkv_c = mixed_blocks
+        blocks = f"bq{bq}/{bq_c},bkv{bkv}/{bkv_c}"
+    else:
+        sizes = rpa_block_sizes(generation, batch, heads, head_dim, tokens)
+        s = sizes["decode" if batch.distribution[0] == len(batch.kv_lens) else "mixed"]
+        blocks = f"bq{s['bq_sz']}/{s['bq_csz']},bkv{s['bkv_sz']}/{s['bkv_csz']}"
+    return (f"rpa@p{batch.page_size},{blocks},vmem{rpa_vmem_limit(generation) >> 20}M"
+            + (",set" if mixed_blocks is not None else ""))
+
+
+def rpa_fn(generation: str, *, sm_scale: float, sliding_window: int | None = None,
+           mixed_blocks: tuple[int, int, int, int] | None = None):
+    """``ragged_paged_attention(q [T, Hq, D], k, v [T, Hkv, D], kv_cache,
+    kv_lens, page_indices, cu_q_lens, distribution)`` -> (out, updated
+    cache), as vLLM calls it on one device: its defaults (block sizes, VMEM
+    limit, ``update_kv_cache=True``: the step's new K/V are written into the
+    cache by the kernel). The un-jitted function: its own ``jax.jit`` would
+    keep the trace of the first chip (the TPU version it reads is not part of
+    the jit's cache key). ``mixed_blocks``: (bq_sz, bkv_sz, bq_csz, bkv_csz)
+    of its mixed kernel instead of its defaults (what vLLM's
+    RPA_V3_MIXED_BLOCK_SIZES sets)."""
+    kernel = _rpa_kernel(generation)
+    attention = kernel.ragged_paged_attention.__wrapped__
+
+    def fn(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution):
+        return attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sm_scale=sm_scale,
+                         sliding_window=sliding_window, m_block_sizes=mixed_blocks)
+
+    return fn
+
+
+def rpa_args(generation: str, batch: PagedBatch, heads: tuple[int, int], head_dim: int) -> list:
+    """The arguments of ``rpa_fn``: q, k, v abstract (bf16), the cache
+    abstract in its layout (``get_kv_cache_shape``: K and V heads interleaved,
+    bf16 pairs packed), the metadata concrete (the estimator replays the
+    kernel's loops and page copies from them)."""
+    import jax
+    import jax.numpy as jnp
+
+    kernel = _rpa_kernel(generation)
+    hq, hkv = heads
+    tokens = int(batch.cu_q_lens[-1])
+    bf16 = jnp.bfloat16
+    cache = kernel.get_kv_cache_shape(batch.total_pages, batch.page_size, hkv, head_dim, bf16)
+    return [jax.ShapeDtypeStruct((tokens, hq, head_dim), bf16), jax.ShapeDtypeStruct((tokens, hkv, head_dim), bf16),
+            jax.ShapeDtypeStruct((tokens, hkv, head_dim), bf16), jax.ShapeDtypeStruct(cache, bf16),
+            batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.distribution]
+
+
+RPA_CACHE_ARG = 3  # donated: the kernel updates the cache in place (input_output_aliases), as vLLM donates it
+
+
+# Its head_dim-64 variant (gpt-oss: the only one with attention sinks)
+# picks its blocks from a tuned table keyed by the device name, which its
+# module imports from ``tpu_inference.utils`` (that module imports vllm): a
+# stand-in module is registered for the import, and the name is set per chip.
+RPA_DEVICE_NAME = {"v5e": "TPU v5e", "v6e": "TPU v6e", "tpu7x": "TPU v7"}
+
+
+def _rpa_hd64_kernel(generation: str):
+    load("kernels")  # registers the bare package
+    name = f"{_PACKAGE}.utils"
+    if name not in sys.modules:
+        stand_in = types.ModuleType(name)
+        stand_in.get_device_name = lambda num_devices=None: None  # replaced per chip below
+        sys.modules[name] = stand_in
+    tuned = load("kernels.ragged_paged_attention.v3.tuned_block_sizes_hd64")
+    version, device = RPA_TPU_VERSION[generation], RPA_DEVICE_NAME[generation]
+    tuned.get_tpu_version = lambda: version
+    tuned.get_device_name = lambda num_devices=None: device
+    kernel = load("kernels.ragged_paged_attention.v3.kernel_hd64")
+    kernel.pltpu = _pltpu_with_reciprocal()
+    return kernel, tuned
+
+
+def _pltpu_with_reciprocal():
+    """``jax.experimental.pallas.tpu`` as the hd64 kernel (written for jax
+    0.11.2, which tpu-inference pins) calls it: its ``pltpu.reciprocal`` is
+    ``pl.reciprocal`` in our jax 0.10.2 (same Mosaic op, ``tpu.reciprocal``).
+    A view of the module for the kernel's globals only; jax itself is left
+    as it is."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    if hasattr(pltpu, "reciprocal"):
+        return pltpu
+    view = types.ModuleType(pltpu.__name__)
+    view.__dict__.update(pltpu.__dict__)
+    view.reciprocal = pl.reciprocal
+    return view
+
+
+def rpa_hd64_blocks(generation: str, batch: PagedBatch, heads: tuple[int, int], window: int | None) -> tuple:
+    """(num_kv_pages_per_block, num_queries_per_block, VMEM limit) the hd64
+    kernel runs with when given none: its tuned table for the chip, else its
+    per-version default; 100 MiB."""
+    import jax.numpy as jnp
+
+    kernel, tuned = _rpa_hd64_kernel(generation)
+    hq, hkv = heads
+    pages_per_seq = len(batch.page_indices) // len(batch.kv_lens)
+    pages, queries = tuned.get_tuned_block_sizes(jnp.bfloat16, jnp.bfloat16, hq, hkv, 64, batch.page_size,
+                                                 int(batch.cu_q_lens[-1]), pages_per_seq, window)
+    return pages, queries, kernel.DEFAULT_VMEM_LIMIT_BYTES
+
+
+def rpa_hd64_label(generation: str, batch: PagedBatch, heads, window: int | None) -> str:
+    """``rpa@hd64,p256,kvpages1,q16,vmem100M``."""
+    pages, queries, vmem = rpa_hd64_blocks(generation, batch, heads, window)
+    return f"rpa@hd64,p{batch.page_size},kvpages{pages},q{queries},vmem{vmem >> 20}M"
+
+
+def rpa_hd64_fn(generation: str, *, sm_scale: float, sliding_window: int | None = None):
+    """``ragged_paged_attention_hd64(q, k, v, kv_cache, kv_lens, page_indices,
+    cu_q_lens, distribution, sinks)`` -> (out, updated cache): the variant
+    vLLM runs for head_dim 64 (and the only one taking sinks), at its defaults."""
+    kernel, _ = _rpa_hd64_kernel(generation)
+    attention = kernel.ragged_paged_attention_hd64.__wrapped__
+
+    def fn(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sinks=None):
+        return attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sinks,
+                         sm_scale=sm_scale, sliding_window=sliding_window)
+
+    return fn
+
+
+def rpa_hd64_args(generation: str, batch: PagedBatch, heads: tuple[int, int], sinks: bool) -> list:
+    """As ``rpa_args`` with the hd64 cache layout (K and V of a head side by
+    side in one 128-lane row), and the sinks (f32 per query head)."""
+    import jax
+    import jax.numpy as jnp
+
+    kernel, _ = _rpa_hd64_kernel(generation)
+    hq, hkv = heads
+    tokens = int(batch.cu_q_lens[-1])
+    bf16 = jnp.bfloat16
+    cache = kernel.get_kv_cache_shape(batch.total_pages, batch.page_size, hkv, 64, bf16)
+    args = [jax.ShapeDtypeStruct((tokens, hq, 64), bf16), jax.ShapeDtypeStruct((tokens, hkv, 64), bf16),
+            jax.ShapeDtypeStruct((tokens, hkv, 64), bf16), jax.ShapeDtypeStruct(cache, bf16),
+            batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.distribution]
+    return args + [jax.ShapeDtypeStruct((hq,), jnp.float32)] if sinks else args

@@ -548,3 +548,19 @@ def test_replay_sums_a_nested_loop_over_its_parents_trips():
     assert outer.trips.tolist() == [3] and inner.parent == 0
     assert inner.extra.tolist() == [4]
     assert tpu_estimator.inner_loop_cycles([(tpu_schedule.Loop(0, 10), inner, np.ones(1, np.int64))], 1).tolist() == [40]
+
+
+def test_a_donated_argument_is_aliased_to_the_result_it_updates():
+    # A KV cache a kernel updates in place is donated by a serving loop;
+    # compiled without donation, XLA would copy the whole cache first.
+    import jax
+    import jax.numpy as jnp
+
+    def update(cache, row):
+        return cache.at[0].set(row)
+
+    args = [jax.ShapeDtypeStruct((1024, 128), jnp.bfloat16), jax.ShapeDtypeStruct((128,), jnp.bfloat16)]
+    donated = tpu_estimator.aot_compile(update, args, tpu_estimator.CHIPS["v6e"], donate_argnums=(0,)).as_text()
+    kept = tpu_estimator.aot_compile(update, args, tpu_estimator.CHIPS["v6e"]).as_text()
+    assert "input_output_alias" in donated
+    assert "input_output_alias" not in kept
