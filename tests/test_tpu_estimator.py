@@ -403,10 +403,6 @@ for name, rows, trips in (("compute", 64, 64), ("copy", 1024, 0)):
             cycles=[int(c) for c in k.step_cycles], fetched=k.fetched_bytes, written=k.written_bytes,
             total=est.seconds, half_bandwidth=est.what_if["half bandwidth"])
 out["device cores"] = tpu_estimator.chip_device(tpu_estimator.CHIPS["v5p"]).num_cores
-est = tpu_estimator.estimate(prefetched_copies(n), [np.arange(n, dtype=np.int32)[::-1].copy(),
-                             jax.ShapeDtypeStruct((n, R, C), jnp.float32)], "v5e", flops=0, min_bytes=0)
-[k] = est.kernels
-out["prefetched"] = dict(bytes=k.manual_dma_bytes, matched=k.manual_dmas_matched)
 print(json.dumps(out))
 """
 
