@@ -102,6 +102,7 @@ DECODE_MAX_ROWS = 128
 DECODE_BLOCK_K = 4096
 MIN_BLOCK_K = 512
 BACKWARD_BLOCK = 1024
+BACKWARD_COMPUTE_BLOCK = 1024
 
 
 def choose_blocks(rows: int, kv_len: int, *, head_dim: int = 128, v_dim: int | None = None, itemsize: int = 2,
@@ -147,6 +148,27 @@ def choose_backward_blocks(rows: int, kv_len: int, *, head_dim: int = 128, v_dim
     while not fits() and block_q > 128:
         block_q //= 2
     return block_q, block_k
+
+
+def backward_compute_blocks(block_q: int, block_k: int) -> tuple[int, int]:
+    """The backward's compute sub-tiles ``(sub_q, sub_k)`` of ``(block_q, block_k)``
+    blocks: ``BACKWARD_COMPUTE_BLOCK`` on a side it divides, else the whole side."""
+    def side(block):
+        return BACKWARD_COMPUTE_BLOCK if block > BACKWARD_COMPUTE_BLOCK and block % BACKWARD_COMPUTE_BLOCK == 0 else block
+    return side(block_q), side(block_k)
+
+
+def check_compute_blocks(compute_blocks, block_q: int, block_k: int) -> tuple[int, int]:
+    """``(sub_q, sub_k)`` if they divide the blocks and are TPU-legal slices of
+    them (rows a multiple of 8, keys of 128, or the whole side)."""
+    sub_q, sub_k = BlockSizes.of(compute_blocks)
+    if block_q % sub_q or (sub_q % 8 and sub_q != block_q):
+        raise ValueError(f"attention: compute block_q must divide block_q={block_q} and be a multiple of 8, "
+                         f"got {sub_q}")
+    if block_k % sub_k or (sub_k % 128 and sub_k != block_k):
+        raise ValueError(f"attention: compute block_k must divide block_k={block_k} and be a multiple of 128, "
+                         f"got {sub_k}")
+    return sub_q, sub_k
 
 
 def backward_working_set_bytes(block_q: int, block_k: int, head_dim: int, v_dim: int, itemsize: int) -> int:

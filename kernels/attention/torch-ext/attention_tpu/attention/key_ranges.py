@@ -147,9 +147,11 @@ def visit_table(bounds, *, num_q_blocks: int, block_q: int, block_k: int, rows: 
 
 
 def ranges_and_table(key_bounds, group: int, *, sq: int, skv: int, causal: bool, window: int, num_q_blocks: int,
-                     block_q: int, block_k: int):
+                     block_q: int, block_k: int, compute_blocks: tuple[int, int] | None = None):
     """What every kernel takes: the ranges per row, the rule's ``kv_start`` /
-    ``kv_end`` (scalar-prefetched) and the visit table."""
+    ``kv_end`` (scalar-prefetched) and the visit table; with ``compute_blocks``
+    ``(sub_q, sub_k)`` (dividing the blocks) also the visit table of those
+    sub-tiles, whose kinds a kernel computing a block in sub-tiles reads."""
     # Keys outside [0, Skv) do not exist: clipped, so that no caller's ranges
     # can reach a block index below 0 or unmasked tail rows.
     key_bounds = jnp.clip(jnp.asarray(key_bounds, jnp.int32), 0, skv)
@@ -157,7 +159,16 @@ def ranges_and_table(key_bounds, group: int, *, sq: int, skv: int, causal: bool,
     bounds = row_bounds(key_bounds, group)
     table = visit_table(bounds, num_q_blocks=num_q_blocks, block_q=block_q, block_k=block_k, rows=group * sq,
                         fits=jnp.tile(fits, (1, group)))
-    return bounds, start, end, table
+    if compute_blocks is None:
+        return bounds, start, end, table
+    # The table of the compute sub-tiles: the same rows, cut finer (the padded
+    # DMA blocks' rows, so every sub-tile of a block has an entry).
+    sub_q, sub_k = compute_blocks
+    if (sub_q, sub_k) == (block_q, block_k):
+        return bounds, start, end, table, table
+    sub_table = visit_table(bounds, num_q_blocks=num_q_blocks * (block_q // sub_q), block_q=sub_q, block_k=sub_k,
+                            rows=group * sq, fits=jnp.tile(fits, (1, group)))
+    return bounds, start, end, table, sub_table
 
 
 def query_block_ranges(table, *, num_q_blocks: int, num_kv_blocks: int):
@@ -255,17 +266,21 @@ def rule_row_bounds(rule: KernelRule, start, end, q_block):
     return jnp.broadcast_to(lo, rows.shape), jnp.broadcast_to(hi, rows.shape)
 
 
-def read_row_bounds(bounds_ref):
-    """``(lo, hi)`` as ``[block_q, 1]`` columns read from the block's ranges."""
-    bounds = bounds_ref[...]
+def read_row_bounds(bounds_ref, rows=slice(None)):
+    """``(lo, hi)`` as ``[block_q, 1]`` columns read from the block's ranges
+    (``rows``: a static slice of them, a sub-tile's)."""
+    bounds = bounds_ref[rows, :]
     return bounds[:, 0:1], bounds[:, 1:2]
 
 
-def masked_regions(when, by_rule, body, *, rule: KernelRule, start_ref, end_ref, bounds_ref, b, q_block):
+def masked_regions(when, by_rule, body, *, rule: KernelRule, start_ref, end_ref, bounds_ref, b, q_block,
+                   bounds_rows=slice(None)):
     """``body(lo, hi)`` for a masked tile in two regions: the rows' ranges from
-    the rule's iotas where the visit table says they fit it, else read."""
+    the rule's iotas where the visit table says they fit it, else read
+    (``q_block`` counts blocks of ``rule.block_q`` rows; ``bounds_rows``: the
+    tile's rows within the ``bounds_ref`` block)."""
     pl.when(when & by_rule)(lambda: body(*rule_row_bounds(rule, start_ref[b], end_ref[b], q_block)))
-    pl.when(when & jnp.logical_not(by_rule))(lambda: body(*read_row_bounds(bounds_ref)))
+    pl.when(when & jnp.logical_not(by_rule))(lambda: body(*read_row_bounds(bounds_ref, bounds_rows)))
 
 
 # ----------------------------------------------------------------------------
