@@ -101,7 +101,7 @@ WINDOW_BLOCK = 512
 DECODE_MAX_ROWS = 128
 DECODE_BLOCK_K = 4096
 MIN_BLOCK_K = 512
-BACKWARD_BLOCK = 1024
+BACKWARD_BLOCK = 2048
 BACKWARD_COMPUTE_BLOCK = 1024
 
 
@@ -132,17 +132,21 @@ def choose_blocks(rows: int, kv_len: int, *, head_dim: int = 128, v_dim: int | N
 
 def choose_backward_blocks(rows: int, kv_len: int, *, head_dim: int = 128, v_dim: int | None = None,
                            itemsize: int = 2, window: int = 0, generation: str | None = None) -> tuple[int, int]:
-    """Backward ``(block_q, block_k)``: ``BACKWARD_BLOCK`` square tiles (``WINDOW_BLOCK``
+    """Backward ``(block_q, block_k)``: ``BACKWARD_BLOCK`` square blocks (computed in
+    ``backward_compute_blocks`` sub-tiles) where ``backward_working_set_bytes``
+    fits the budget, else ``BACKWARD_COMPUTE_BLOCK`` square ones (``WINDOW_BLOCK``
     under a causal window), at most the rows / keys; ``block_k`` then ``block_q``
-    halved (not below 512 / 128) until ``backward_working_set_bytes`` fits the budget."""
-    size = WINDOW_BLOCK if window else BACKWARD_BLOCK
-    block_q, block_k = min(rows, size), min(kv_len, size)
+    halved (not below 512 / 128) until the working set fits."""
     budget = tpu_generations.get_generation(generation).vmem_budget
     v_dim = head_dim if v_dim is None else v_dim
 
     def fits():
         return backward_working_set_bytes(block_q, block_k, head_dim, v_dim, itemsize) <= budget
 
+    block_q, block_k = min(rows, BACKWARD_BLOCK), min(kv_len, BACKWARD_BLOCK)
+    if window or not fits():
+        size = WINDOW_BLOCK if window else BACKWARD_COMPUTE_BLOCK
+        block_q, block_k = min(rows, size), min(kv_len, size)
     while not fits() and block_k > MIN_BLOCK_K:
         block_k //= 2
     while not fits() and block_q > 128:
@@ -174,11 +178,13 @@ def check_compute_blocks(compute_blocks, block_q: int, block_k: int) -> tuple[in
 def backward_working_set_bytes(block_q: int, block_k: int, head_dim: int, v_dim: int, itemsize: int) -> int:
     """The dk/dv kernel (the larger of the two): double-buffered q, dO, k, v
     blocks and lane-padded lse / delta rows, double-buffered dk / dv blocks and
-    their f32 accumulators, and three f32 score-sized temporaries (p, dp, ds)."""
+    their f32 accumulators, and three f32 temporaries (p, dp, ds) the size of
+    one compute sub-tile (``backward_compute_blocks``)."""
     d = head_dim + v_dim
+    sub_q, sub_k = backward_compute_blocks(block_q, block_k)
     inputs = 2 * ((block_q + block_k) * d * itemsize + 2 * block_q * 128 * 4)
     outputs = 2 * block_k * d * itemsize + 4 * block_k * d
-    return inputs + outputs + 3 * 4 * block_q * block_k
+    return inputs + outputs + 3 * 4 * sub_q * sub_k
 
 
 def choose_kv_splits(parallel_units: int, num_q_blocks: int, num_kv_blocks: int, generation: str | None) -> int:

@@ -43,9 +43,28 @@ def _recompute(q, k, lse, *, bounds, kv_block, block_k, softcap, scale):
         return exp(x - lse_), t
     lo, hi = bounds
     keys = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-    visible = (keys >= lo) & (keys < hi)
-    safe_lse = jnp.where(lse_ == -jnp.inf, 0.0, lse_)
-    return jnp.where(visible, exp(jnp.where(visible, x, 0.0) - safe_lse), 0.0), t
+    # One select: invisible entries become exp(-inf) = 0, whatever x or lse
+    # hold there (a row that sees a key has a finite lse).
+    return exp(jnp.where((keys >= lo) & (keys < hi), x - lse_, -jnp.inf)), t
+
+
+def _recompute_t(q, k, lse, *, bounds, kv_block, block_k, softcap, scale):
+    """``_recompute`` of a transposed tile ``[block_k, block_q]`` (keys along the
+    sublanes, queries along the lanes): ``lse`` and ``bounds`` are ``[1,
+    block_q]`` rows."""
+    if softcap:
+        t = jnp.tanh(dot_f32(k, q, 1, 1) * (scale / softcap))
+        x, lse_, exp = softcap * t, lse, jnp.exp
+    else:
+        q2 = (q.astype(jnp.float32) * (scale * LOG2_E)).astype(q.dtype)
+        x, t, lse_, exp = dot_f32(k, q2, 1, 1), None, lse * LOG2_E, jnp.exp2
+    if bounds is None:
+        return exp(x - lse_), t
+    lo, hi = bounds
+    keys = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+    # One select: invisible entries become exp(-inf) = 0, whatever x or lse
+    # hold there (a row that sees a key has a finite lse).
+    return exp(jnp.where((keys >= lo) & (keys < hi), x - lse_, -jnp.inf)), t
 
 
 def _zero_rows_past(x, first_row, limit):
@@ -94,19 +113,23 @@ def _dkv_kernel(sub_table_ref, q_range_ref, start_ref, end_ref, q_ref, k_ref, v_
         dk_acc[...] = jnp.zeros_like(dk_acc)
         dv_acc[...] = jnp.zeros_like(dv_acc)
 
-    def accumulate(bounds, q_sub, kv_sub, rs, ks):  # bounds: (lo, hi) columns of a masked sub-tile, None: whole
-        q, do, delta = _load_rows(q_ref, rs), _load_rows(do_ref, rs), delta_ref[rs, :]
+    def accumulate(bounds, q_sub, kv_sub, rs, ks):  # bounds: (lo, hi) rows of a masked sub-tile, None: whole
+        q, do, delta = _load_rows(q_ref, rs), _load_rows(do_ref, rs), delta_ref[:, rs]
         if bounds is not None:
-            if rows % sub_q:  # padding rows: garbage in q, dO and delta would reach dk through 0 * NaN
-                q, do, delta = (_zero_rows_past(x, q_sub * sub_q, rows) for x in (q, do, delta))
+            if rows % sub_q:  # padding rows: garbage in q and dO would reach dk through 0 * NaN
+                q, do = (_zero_rows_past(x, q_sub * sub_q, rows) for x in (q, do))
             lo, hi = bounds
-            row = q_sub * sub_q + lax.broadcasted_iota(jnp.int32, (sub_q, 1), 0)
+            row = q_sub * sub_q + lax.broadcasted_iota(jnp.int32, (1, sub_q), 1)
             bounds = lo, jnp.where(row < rows, hi, lo)  # padding rows see nothing
-        p, t = _recompute(q, _load_rows(k_ref, ks), lse_ref[rs, :], bounds=bounds, kv_block=kv_sub, block_k=sub_k,
-                          softcap=softcap, scale=scale)
-        dv_acc[ks, :] += dot_f32(p.astype(do.dtype), do, 0, 0)
-        ds = _logit_grads(do, _load_rows(v_ref, ks), delta, p, t)
-        dk_acc[ks, :] += dot_f32(ds.astype(q.dtype), q, 0, 0)
+        # Transposed tiles ([keys, queries]): dv and dk are plain products, no
+        # transpose of a score-sized tile; lse and delta are lane rows.
+        p_t, t = _recompute_t(q, _load_rows(k_ref, ks), lse_ref[:, rs], bounds=bounds, kv_block=kv_sub,
+                              block_k=sub_k, softcap=softcap, scale=scale)
+        dv_acc[ks, :] += dot_f32(p_t.astype(do.dtype), do, 1, 0)
+        ds_t = p_t * (dot_f32(_load_rows(v_ref, ks), do, 1, 1) - delta)
+        if t is not None:
+            ds_t = ds_t * (1.0 - t * t)
+        dk_acc[ks, :] += dot_f32(ds_t.astype(q.dtype), q, 1, 0)
 
     # Each sub-tile on its own: skipped where no row sees its keys, unmasked
     # where every row sees them all (key_ranges.tile_kinds on the sub-tiles' table).
@@ -120,7 +143,7 @@ def _dkv_kernel(sub_table_ref, q_range_ref, start_ref, end_ref, q_ref, k_ref, v_
         kr.masked_regions(live & jnp.logical_not(whole),
                           kr.table_entry(sub_table_ref, b, q_sub, kr.RULE, num_q_subs) == 1,
                           lambda lo, hi, body=body: body((lo, hi)), rule=rule, start_ref=start_ref, end_ref=end_ref,
-                          bounds_ref=bounds_ref, b=b, q_block=q_sub, bounds_rows=rs)
+                          bounds_ref=bounds_ref, b=b, q_block=q_sub, bounds_rows=rs, lanes=True)
 
     @pl.when(last_step)
     def _store():
@@ -212,9 +235,20 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
                                       for_dma=True)
         return b, h, q_block, 0
 
+    def q_lanes_at(*grid_and_refs):
+        b, h, q_block, _ = q_at(*grid_and_refs)
+        return b, h, q_block, 0, 0
+
     def q_bounds_at(*grid_and_refs):
         b, _, q_block, _ = q_at(*grid_and_refs)
-        return b, q_block, 0
+        return b, q_block, 0, 0
+
+    # The dk/dv kernel's tiles are transposed: lse, delta and the ranges as lane rows per query block.
+    padded_rows = num_q_blocks * block_q
+
+    def lane_rows(x):  # [B, Hkv, rows, 1] -> [B, Hkv, num_q_blocks, 1, block_q], padding rows 0
+        x = jnp.pad(x[..., 0], ((0, 0), (0, 0), (0, padded_rows - rows)))
+        return x.reshape(batch, hkv, num_q_blocks, 1, block_q)
 
     kv_at = lambda b, h, kb, head, step, *_: (b, h, kb, 0)  # noqa: E731
     dk, dv_ = pl.pallas_call(
@@ -225,15 +259,17 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
             num_scalar_prefetch=4, grid=(batch, hkv, num_kv_blocks, walk.heads, walk_steps),
             in_specs=[pl.BlockSpec((None, None, block_q, d), q_at), pl.BlockSpec((None, None, block_k, d), kv_at),
                       pl.BlockSpec((None, None, block_k, dv), kv_at), pl.BlockSpec((None, None, block_q, dv), q_at),
-                      pl.BlockSpec((None, None, block_q, 1), q_at), pl.BlockSpec((None, None, block_q, 1), q_at),
-                      pl.BlockSpec((None, block_q, 2), q_bounds_at)],
+                      pl.BlockSpec((None, None, None, 1, block_q), q_lanes_at),
+                      pl.BlockSpec((None, None, None, 1, block_q), q_lanes_at),
+                      pl.BlockSpec((None, None, 2, block_q), q_bounds_at)],
             out_specs=[pl.BlockSpec((None, None, block_k, d), kv_at), pl.BlockSpec((None, None, block_k, dv), kv_at)],
             scratch_shapes=[pltpu.VMEM((block_k, d), jnp.float32), pltpu.VMEM((block_k, dv), jnp.float32)],
         ),
         compiler_params=compiler_params(generation, semantics + ("arbitrary",)),
         interpret=interpret,
         name="flash_attention_bwd_dkv",
-    )(sub_table, q_range, start, end, *map(as_kernel_operand, (q_rows, k, v, do_rows)), lse, delta, bounds)
+    )(sub_table, q_range, start, end, *map(as_kernel_operand, (q_rows, k, v, do_rows)), lane_rows(lse),
+      lane_rows(delta), kr.lane_major_bounds(bounds, num_q_blocks=num_q_blocks, block_q=block_q))
 
     # dq: each query block walks the key blocks it sees (skipped ones re-use the resident block).
     where = dict(num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks)
