@@ -627,6 +627,18 @@ def test_backward_sub_tiles_match_float64_autograd(case):
 
 def test_backward_compute_blocks_rule_and_checks():
     size = blocks.BACKWARD_COMPUTE_BLOCK
+    # bf16 head_dim 128: 2048 blocks in 1024 sub-tiles where they fit (not v4's
+    # 12 MiB budget); float32, a window and short lengths keep the smaller blocks.
+    assert blocks.choose_backward_blocks(32768, 8192, generation="v6e") == (blocks.BACKWARD_BLOCK,) * 2
+    assert blocks.choose_backward_blocks(32768, 8192, itemsize=4, generation="v6e") == (size, size)
+    assert blocks.choose_backward_blocks(32768, 8192, window=128, generation="v6e") == (blocks.WINDOW_BLOCK,) * 2
+    assert blocks.choose_backward_blocks(1500, 1500, generation="v6e") == (size, size)
+    assert blocks.choose_backward_blocks(32768, 8192, generation="v4")[0] <= size
+    for gen in ("v4", "v5e", "v5p", "v6e", "tpu7x"):
+        for itemsize, d in ((2, 128), (4, 128), (2, 256), (2, 512)):
+            bq, bk = blocks.choose_backward_blocks(32768, 8192, head_dim=d, itemsize=itemsize, generation=gen)
+            assert (blocks.backward_working_set_bytes(bq, bk, d, d, itemsize)
+                    <= tpu_generations.get_generation(gen).vmem_budget)
     assert blocks.backward_compute_blocks(2 * size, 2 * size) == (size, size)
     assert blocks.backward_compute_blocks(size, 3000) == (size, 3000)  # a side it does not divide stays whole
     assert blocks.check_compute_blocks((32, 128), 64, 256) == (32, 128)
