@@ -8,6 +8,13 @@ one: every query block, or under a causal window only the window's, per head,
 each sees). Probabilities are recomputed from q, k and the lse in the
 forward's base (base 2 without soft-capping); the sinks' gradient is a
 reduction outside the kernels. Layout, features and dtypes: ``flash_forward``.
+
+A grid step holds ``block_sizes`` blocks and computes them as ``compute_blocks``
+sub-tiles (a static loop; ``blocks.py`` gives the rule and the estimates
+behind it), each skipped, unmasked or masked on its own from a visit table of
+the sub-tiles. The dk/dv kernel's tiles are transposed, keys x queries, so that
+dv and dk are plain products (no transpose of a score-sized tile); it takes
+lse, delta and the ranges as lane rows.
 """
 
 from __future__ import annotations
