@@ -706,3 +706,68 @@ def test_decode_kernel_refuses_chunks_it_cannot_copy():
     with pytest.raises(ValueError, match="chunk 128 must be a multiple of 128 and at most the 200 keys"):
         flash_decode.decode_attention_with_lse(q, k, v, None, None, chunk=128, splits=1, softcap=0.0, scale=1.0,
                                                generation="v6e")
+
+
+@pytest.mark.parametrize("case", [
+    ("rule", True, 0, 0.0, False),
+    ("rule", True, 40, 5.0, True),  # window walk, softcap, sinks
+    ("rule", False, 0, 0.0, True),
+    ("ranges", True, 0, 0.0, False),  # arbitrary per-query ranges: sub-tiles read them
+])
+def test_backward_sub_tiles_match_float64_autograd(case):
+    """Backward blocks computed as sub-tiles (``compute_blocks``, what the rule
+    takes at 2048-wide blocks) at lengths that are no multiple of a sub-tile:
+    the last query block holds a partly padded sub-tile and an all-padding one,
+    the key block a partly past-the-end sub-tile; sub-tiles no row sees are
+    skipped, masked ones masked exactly (rule and read ranges). Gradients
+    equal float64 autograd."""
+    from attention_tpu.attention import flash_backward
+    from attention_tpu.common import pallas_helpers
+
+    kind, causal, window, softcap, use_sinks = case
+    b, hq, hkv, sq, skv, d = 2, 4, 2, 100, 200, 16  # rows = 200 = 3 blocks of 64 + 8; keys: one 256-key block
+    q, k, v, sinks = _inputs((b, hq, hkv, sq, skv, d, d), torch.float32, seed=16)
+    if kind == "rule":
+        start, end = _padded_ranges(b, skv)
+        bounds = np.asarray(kr.rule_key_bounds(start, end, sq=sq, skv=skv, causal=causal, window=window))
+        visible = reference.attention_rule_mask(start, end, sq, skv, causal=causal, window=window)
+    else:
+        bounds = _random_ranges(np.random.default_rng(SEED + 16), b, sq, skv)
+        visible = _ranges_mask(bounds, skv)
+    jq, jk, jv = (jnp.asarray(t.numpy()) for t in (q, k, v))
+    jsinks = jnp.asarray(sinks.numpy()) if use_sinks else None
+    opts = dict(causal=causal, window=window, softcap=softcap, interpret=pallas_helpers.interpret_params())
+    out, lse = flash_forward.flash_attention_with_lse(jq, jk, jv, jnp.asarray(bounds), jsinks,
+                                                      block_sizes=(64, 256), **opts)
+    grads = flash_backward.flash_attention_backward(jq, jk, jv, out, lse, 2 * out, jnp.asarray(bounds), jsinks,
+                                                    block_sizes=(64, 256), compute_blocks=(32, 128), **opts)
+    ref_sinks = sinks if use_sinks else torch.full((hq,), -1e9)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v, ref_sinks)]
+    _f64_loss(*ref_leaves, torch.from_numpy(visible), softcap, d ** -0.5).backward()
+    for name, got, want in zip("q k v sinks".split(), grads, ref_leaves[:3] + [ref_leaves[3]] * use_sinks):
+        got = np.asarray(got, np.float64)
+        assert not np.isnan(got).any(), f"{case} d{name}: NaN, seed={SEED}"
+        np.testing.assert_allclose(got, want.grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=f"{case} d{name} seed={SEED}")
+
+
+def test_backward_compute_blocks_rule_and_checks():
+    size = blocks.BACKWARD_COMPUTE_BLOCK
+    # bf16 head_dim 128: 2048 blocks in 1024 sub-tiles where they fit (not v4's
+    # 12 MiB budget); float32, a window and short lengths keep the smaller blocks.
+    assert blocks.choose_backward_blocks(32768, 8192, generation="v6e") == (blocks.BACKWARD_BLOCK,) * 2
+    assert blocks.choose_backward_blocks(32768, 8192, itemsize=4, generation="v6e") == (size, size)
+    assert blocks.choose_backward_blocks(32768, 8192, window=128, generation="v6e") == (blocks.WINDOW_BLOCK,) * 2
+    assert blocks.choose_backward_blocks(1500, 1500, generation="v6e") == (size, size)
+    assert blocks.choose_backward_blocks(32768, 8192, generation="v4")[0] <= size
+    for gen in ("v4", "v5e", "v5p", "v6e", "tpu7x"):
+        for itemsize, d in ((2, 128), (4, 128), (2, 256), (2, 512)):
+            bq, bk = blocks.choose_backward_blocks(32768, 8192, head_dim=d, itemsize=itemsize, generation=gen)
+            assert (blocks.backward_working_set_bytes(bq, bk, d, d, itemsize)
+                    <= tpu_generations.get_generation(gen).vmem_budget)
+    assert blocks.backward_compute_blocks(2 * size, 2 * size) == (size, size)
+    assert blocks.backward_compute_blocks(size, 3000) == (size, 3000)  # a side it does not divide stays whole
+    assert blocks.check_compute_blocks((32, 128), 64, 256) == (32, 128)
+    with pytest.raises(ValueError, match="compute block_q must divide"):
+        blocks.check_compute_blocks((48, 128), 64, 256)
+    with pytest.raises(ValueError, match="compute block_k must divide"):
+        blocks.check_compute_blocks((32, 64), 64, 256)

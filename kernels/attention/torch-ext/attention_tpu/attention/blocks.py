@@ -82,11 +82,39 @@ only the filled part, but its last block is read whole: 2k of 32k keys runs
 at 2.0x the HBM-bound time).
 
 The backward (``choose_backward_blocks``) takes ``BACKWARD_BLOCK`` square
-tiles where VMEM allows (its kernels hold f32 dk / dv or dq accumulators and
-three score-sized temporaries besides the tiles): Llama-3-8B causal 8k on v6e
-is estimated at 13.4 ms with the first kernels at 512 x 512, 11.6 ms with the
-visit table and unmasked interior tiles, 8.4 ms at 1024 x 512 and 7.0 ms at
-1024 x 1024 (v5e: 18.0 ms at 512 x 512, 13.5 ms at 1024 x 1024).
+blocks where VMEM allows, each computed as ``BACKWARD_COMPUTE_BLOCK`` square
+sub-tiles (``backward_compute_blocks``; a static loop in the kernel body, each
+sub-tile skipped, unmasked or masked on its own from a visit table of the
+sub-tiles), else ``BACKWARD_COMPUTE_BLOCK`` square blocks computed whole, then
+smaller (its kernels hold f32 dk / dv or dq accumulators and three f32
+temporaries the size of a sub-tile besides the blocks). Llama-3-8B causal 8k,
+the backward's two kernels alone (bf16, estimated us):
+
+==============================================  ==========  ==========  =====
+v6e                                             blocks      sub-tiles   us
+==============================================  ==========  ==========  =====
+first kernels (13.4 ms at 512 x 512, 11.6 ms    1024 x 1024 whole       7177
+with the visit table, 8.4 ms at 1024 x 512)
+grid steps quartered                            2048 x 2048 1024 x 1024 6330
+                                                2048 x 2048 1024 x 512  6848
+dk/dv tiles transposed                          2048 x 2048 1024 x 1024 6258
+masked tiles select once                        2048 x 2048 1024 x 1024 5956
+==============================================  ==========  ==========  =====
+
+Why: a grid step costs ~700-1000 cycles of bookkeeping whatever it computes
+(1024 x 1024 blocks: 2048 steps per kernel, 896 of them with nothing to do),
+and a causal grid's diagonal blocks are half invisible; 2048 x 2048 blocks cut
+the steps to 512 while 1024 x 1024 sub-tiles skip the invisible quarter of a
+diagonal block and keep the f32 temporaries inside VMEM (whole 2048 tiles
+would need 48 MiB of them). Smaller sub-tiles lose (1024 x 512: 6848 us): each
+re-reads its accumulator rows and pays the mask set-up. The dk/dv kernel
+computes its tiles transposed (keys x queries), so that dv and dk are plain
+products: the queries-first tile transposed p and ds on the cross-lane unit
+(a whole 1024 x 1024 tile: 4628 cycles, transposed 4365). A masked tile then
+selects once (``exp(-inf) = 0``) instead of guarding the lse and selecting
+twice (a diagonal dk/dv tile: 6175 cycles, then 4764). bf16 at head_dim 128
+fits 2048 blocks on every chip but v4 (24 MiB of the 24 MiB budget); float32
+and wider heads keep the 1024 rule.
 
 ``choose_kv_splits``: on a megacore chip (v4, v5p) a decode call whose only
 parallel work is a single (batch, head) pair would leave one TensorCore idle;
@@ -150,7 +178,8 @@ DECODE_BLOCK_K = 4096
 DECODE_CHUNKS = {"v5e": 1024, "v6e": 1024, "tpu7x": 2048}
 MIN_BLOCK_K = 512
 COMPUTE_BLOCK_K = 512
-BACKWARD_BLOCK = 1024
+BACKWARD_BLOCK = 2048
+BACKWARD_COMPUTE_BLOCK = 1024
 
 
 def choose_blocks(rows: int, kv_len: int, *, head_dim: int = 128, v_dim: int | None = None, itemsize: int = 2,
@@ -212,17 +241,21 @@ def choose_decode_chunk(rows: int, kv_len: int, *, kv_heads: int = 1, head_dim: 
 
 def choose_backward_blocks(rows: int, kv_len: int, *, head_dim: int = 128, v_dim: int | None = None,
                            itemsize: int = 2, window: int = 0, generation: str | None = None) -> tuple[int, int]:
-    """Backward ``(block_q, block_k)``: ``BACKWARD_BLOCK`` square tiles (``WINDOW_BLOCK``
+    """Backward ``(block_q, block_k)``: ``BACKWARD_BLOCK`` square blocks (computed in
+    ``backward_compute_blocks`` sub-tiles) where ``backward_working_set_bytes``
+    fits the budget, else ``BACKWARD_COMPUTE_BLOCK`` square ones (``WINDOW_BLOCK``
     under a causal window), at most the rows / keys; ``block_k`` then ``block_q``
-    halved (not below 512 / 128) until ``backward_working_set_bytes`` fits the budget."""
-    size = WINDOW_BLOCK if window else BACKWARD_BLOCK
-    block_q, block_k = min(rows, size), min(kv_len, size)
+    halved (not below 512 / 128) until the working set fits."""
     budget = tpu_generations.get_generation(generation).vmem_budget
     v_dim = head_dim if v_dim is None else v_dim
 
     def fits():
         return backward_working_set_bytes(block_q, block_k, head_dim, v_dim, itemsize) <= budget
 
+    block_q, block_k = min(rows, BACKWARD_BLOCK), min(kv_len, BACKWARD_BLOCK)
+    if window or not fits():
+        size = WINDOW_BLOCK if window else BACKWARD_COMPUTE_BLOCK
+        block_q, block_k = min(rows, size), min(kv_len, size)
     while not fits() and block_k > MIN_BLOCK_K:
         block_k //= 2
     while not fits() and block_q > 128:
@@ -230,14 +263,39 @@ def choose_backward_blocks(rows: int, kv_len: int, *, head_dim: int = 128, v_dim
     return block_q, block_k
 
 
+def backward_compute_blocks(block_q: int, block_k: int) -> tuple[int, int]:
+    """The backward's compute sub-tiles ``(sub_q, sub_k)`` of ``(block_q, block_k)``
+    blocks: ``BACKWARD_COMPUTE_BLOCK`` on a side it divides, else the whole side."""
+    def side(block):
+        return BACKWARD_COMPUTE_BLOCK if block > BACKWARD_COMPUTE_BLOCK and block % BACKWARD_COMPUTE_BLOCK == 0 else block
+    return side(block_q), side(block_k)
+
+
+def check_compute_blocks(compute_blocks, block_q: int, block_k: int) -> tuple[int, int]:
+    """``(sub_q, sub_k)`` if they divide the blocks and are TPU-legal slices of
+    them (rows a multiple of 8, keys of 128, or the whole side)."""
+    sub_q, sub_k = BlockSizes.of(compute_blocks)
+    if block_q % sub_q or (sub_q % 8 and sub_q != block_q):
+        raise ValueError(f"attention: compute block_q must divide block_q={block_q} and be a multiple of 8, "
+                         f"got {sub_q}")
+    if block_k % sub_k or (sub_k % 128 and sub_k != block_k):
+        raise ValueError(f"attention: compute block_k must divide block_k={block_k} and be a multiple of 128, "
+                         f"got {sub_k}")
+    return sub_q, sub_k
+
+
 def backward_working_set_bytes(block_q: int, block_k: int, head_dim: int, v_dim: int, itemsize: int) -> int:
-    """The dk/dv kernel (the larger of the two): double-buffered q, dO, k, v
-    blocks and lane-padded lse / delta rows, double-buffered dk / dv blocks and
-    their f32 accumulators, and three f32 score-sized temporaries (p, dp, ds)."""
+    """The larger of the two kernels: double-buffered q, dO, k, v blocks and the
+    dq kernel's lane-padded lse / delta columns (the dk/dv kernel takes them as
+    lane rows), double-buffered dk / dv blocks and their f32 accumulators (as
+    much as the dq kernel's dq block, accumulator and ranges at square blocks),
+    and three f32 temporaries (p, dp, ds) the size of one compute sub-tile
+    (``backward_compute_blocks``)."""
     d = head_dim + v_dim
+    sub_q, sub_k = backward_compute_blocks(block_q, block_k)
     inputs = 2 * ((block_q + block_k) * d * itemsize + 2 * block_q * 128 * 4)
     outputs = 2 * block_k * d * itemsize + 4 * block_k * d
-    return inputs + outputs + 3 * 4 * block_q * block_k
+    return inputs + outputs + 3 * 4 * sub_q * sub_k
 
 
 def choose_kv_splits(parallel_units: int, num_q_blocks: int, num_kv_blocks: int, generation: str | None) -> int:

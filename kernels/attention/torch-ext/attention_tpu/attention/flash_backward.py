@@ -8,6 +8,13 @@ one: every query block, or under a causal window only the window's, per head,
 each sees). Probabilities are recomputed from q, k and the lse in the
 forward's base (base 2 without soft-capping); the sinks' gradient is a
 reduction outside the kernels. Layout, features and dtypes: ``flash_forward``.
+
+A grid step holds ``block_sizes`` blocks and computes them as ``compute_blocks``
+sub-tiles (a static loop; ``blocks.py`` gives the rule and the estimates
+behind it), each skipped, unmasked or masked on its own from a visit table of
+the sub-tiles. The dk/dv kernel's tiles are transposed, keys x queries, so that
+dv and dk are plain products (no transpose of a score-sized tile); it takes
+lse, delta and the ranges as lane rows.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..common.pallas_helpers import as_kernel_operand, compiler_params, dot_f32, kernel_dtype, load, out_struct
+from ..common.pallas_helpers import (FLOAT16_BITS, as_kernel_operand, compiler_params, dot_f32,
+                                     float16_bits_to_float32, kernel_dtype, out_struct)
 from ..common.tile_math import cdiv
 from . import blocks as blocks_lib
 from . import key_ranges as kr
@@ -42,9 +50,28 @@ def _recompute(q, k, lse, *, bounds, kv_block, block_k, softcap, scale):
         return exp(x - lse_), t
     lo, hi = bounds
     keys = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-    visible = (keys >= lo) & (keys < hi)
-    safe_lse = jnp.where(lse_ == -jnp.inf, 0.0, lse_)
-    return jnp.where(visible, exp(jnp.where(visible, x, 0.0) - safe_lse), 0.0), t
+    # One select: invisible entries become exp(-inf) = 0, whatever x or lse
+    # hold there (a row that sees a key has a finite lse).
+    return exp(jnp.where((keys >= lo) & (keys < hi), x - lse_, -jnp.inf)), t
+
+
+def _recompute_t(q, k, lse, *, bounds, kv_block, block_k, softcap, scale):
+    """``_recompute`` of a transposed tile ``[block_k, block_q]`` (keys along the
+    sublanes, queries along the lanes): ``lse`` and ``bounds`` are ``[1,
+    block_q]`` rows."""
+    if softcap:
+        t = jnp.tanh(dot_f32(k, q, 1, 1) * (scale / softcap))
+        x, lse_, exp = softcap * t, lse, jnp.exp
+    else:
+        q2 = (q.astype(jnp.float32) * (scale * LOG2_E)).astype(q.dtype)
+        x, t, lse_, exp = dot_f32(k, q2, 1, 1), None, lse * LOG2_E, jnp.exp2
+    if bounds is None:
+        return exp(x - lse_), t
+    lo, hi = bounds
+    keys = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+    # One select: invisible entries become exp(-inf) = 0, whatever x or lse
+    # hold there (a row that sees a key has a finite lse).
+    return exp(jnp.where((keys >= lo) & (keys < hi), x - lse_, -jnp.inf)), t
 
 
 def _zero_rows_past(x, first_row, limit):
@@ -62,41 +89,68 @@ def _logit_grads(do, v, delta, p, t):
     return ds * (1.0 - t * t) if t is not None else ds
 
 
-def _dkv_kernel(table_ref, q_range_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref,
-                dk_ref, dv_ref, dk_acc, dv_acc, *, block_q, block_k, rows, softcap, scale, num_q_blocks, num_kv_blocks,
-                walk, rule):
+def _load_rows(ref, rows):
+    """``ref[rows, :]`` (a static slice: one sub-tile's rows of the block), with
+    float16 bits decoded as ``pallas_helpers.load`` does."""
+    x = ref[rows, :]
+    return float16_bits_to_float32(x) if x.dtype == FLOAT16_BITS else x
+
+
+def _sub_tiles(block_q, block_k, sub_q, sub_k):
+    """The static ``(i, j, rows, keys)`` of a block's compute sub-tiles: the
+    ``i``-th ``sub_q`` rows and ``j``-th ``sub_k`` keys, as slices of the block."""
+    for i in range(block_q // sub_q):
+        for j in range(block_k // sub_k):
+            yield i, j, slice(i * sub_q, (i + 1) * sub_q), slice(j * sub_k, (j + 1) * sub_k)
+
+
+def _dkv_kernel(sub_table_ref, q_range_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                bounds_ref, dk_ref, dv_ref, dk_acc, dv_acc, *, block_q, block_k, sub_q, sub_k, rows, softcap, scale,
+                num_q_blocks, num_kv_blocks, walk, rule):
     b, kv_block, head, step = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     q_block, in_walk = kr.walk_query_block(q_range_ref, b, kv_block, head, step, num_kv_blocks=num_kv_blocks, walk=walk,
                                         for_dma=False)
-    live, whole = kr.tile_kinds(table_ref, b, q_block, kv_block, num_q_blocks=num_q_blocks,
-                              whole_q_blocks=rows // block_q)
-    live &= in_walk
     first_step = (head == 0) & (step == 0)
     last_step = (head == pl.num_programs(3) - 1) & (step == pl.num_programs(4) - 1)
+    per_q, per_k = block_q // sub_q, block_k // sub_k
+    num_q_subs = num_q_blocks * per_q
 
     @pl.when(first_step)
     def _init():
         dk_acc[...] = jnp.zeros_like(dk_acc)
         dv_acc[...] = jnp.zeros_like(dv_acc)
 
-    def accumulate(bounds):  # bounds: (lo, hi) columns of a masked tile, None for a whole one
-        q, do, delta = load(q_ref), load(do_ref), delta_ref[...]
+    def accumulate(bounds, q_sub, kv_sub, rs, ks):  # bounds: (lo, hi) rows of a masked sub-tile, None: whole
+        q, do, delta = _load_rows(q_ref, rs), _load_rows(do_ref, rs), delta_ref[:, rs]
         if bounds is not None:
-            if rows % block_q:  # padding rows: garbage in q, dO and delta would reach dk through 0 * NaN
-                q, do, delta = (_zero_rows_past(x, q_block * block_q, rows) for x in (q, do, delta))
+            if rows % sub_q:  # padding rows: garbage in q and dO would reach dk through 0 * NaN
+                q, do = (_zero_rows_past(x, q_sub * sub_q, rows) for x in (q, do))
             lo, hi = bounds
-            row = q_block * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+            row = q_sub * sub_q + lax.broadcasted_iota(jnp.int32, (1, sub_q), 1)
             bounds = lo, jnp.where(row < rows, hi, lo)  # padding rows see nothing
-        p, t = _recompute(q, load(k_ref), lse_ref[...], bounds=bounds, kv_block=kv_block, block_k=block_k,
-                          softcap=softcap, scale=scale)
-        dv_acc[...] += dot_f32(p.astype(do.dtype), do, 0, 0)
-        ds = _logit_grads(do, load(v_ref), delta, p, t)
-        dk_acc[...] += dot_f32(ds.astype(q.dtype), q, 0, 0)
+        # Transposed tiles ([keys, queries]): dv and dk are plain products, no
+        # transpose of a score-sized tile; lse and delta are lane rows.
+        p_t, t = _recompute_t(q, _load_rows(k_ref, ks), lse_ref[:, rs], bounds=bounds, kv_block=kv_sub,
+                              block_k=sub_k, softcap=softcap, scale=scale)
+        dv_acc[ks, :] += dot_f32(p_t.astype(do.dtype), do, 1, 0)
+        ds_t = p_t * (dot_f32(_load_rows(v_ref, ks), do, 1, 1) - delta)
+        if t is not None:
+            ds_t = ds_t * (1.0 - t * t)
+        dk_acc[ks, :] += dot_f32(ds_t.astype(q.dtype), q, 1, 0)
 
-    pl.when(live & whole)(lambda: accumulate(None))
-    kr.masked_regions(live & jnp.logical_not(whole), kr.table_entry(table_ref, b, q_block, kr.RULE, num_q_blocks) == 1,
-                    lambda lo, hi: accumulate((lo, hi)), rule=rule, start_ref=start_ref, end_ref=end_ref,
-                    bounds_ref=bounds_ref, b=b, q_block=q_block)
+    # Each sub-tile on its own: skipped where no row sees its keys, unmasked
+    # where every row sees them all (key_ranges.tile_kinds on the sub-tiles' table).
+    for i, j, rs, ks in _sub_tiles(block_q, block_k, sub_q, sub_k):
+        q_sub, kv_sub = q_block * per_q + i, kv_block * per_k + j
+        live, whole = kr.tile_kinds(sub_table_ref, b, q_sub, kv_sub, num_q_blocks=num_q_subs,
+                                    whole_q_blocks=rows // sub_q)
+        live &= in_walk
+        body = functools.partial(accumulate, q_sub=q_sub, kv_sub=kv_sub, rs=rs, ks=ks)
+        pl.when(live & whole)(lambda body=body: body(None))
+        kr.masked_regions(live & jnp.logical_not(whole),
+                          kr.table_entry(sub_table_ref, b, q_sub, kr.RULE, num_q_subs) == 1,
+                          lambda lo, hi, body=body: body((lo, hi)), rule=rule, start_ref=start_ref, end_ref=end_ref,
+                          bounds_ref=bounds_ref, b=b, q_block=q_sub, bounds_rows=rs, lanes=True)
 
     @pl.when(last_step)
     def _store():
@@ -104,30 +158,37 @@ def _dkv_kernel(table_ref, q_range_ref, start_ref, end_ref, q_ref, k_ref, v_ref,
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dq_ref,
-               dq_acc, *, block_q, block_k, rows, skv, softcap, scale, num_q_blocks, rule):
+def _dq_kernel(table_ref, sub_table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+               bounds_ref, dq_ref, dq_acc, *, block_q, block_k, sub_q, sub_k, rows, skv, softcap, scale, num_q_blocks,
+               rule):
     b, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     kv_block = kr.table_entry(table_ref, b, q_block, kr.FIRST, num_q_blocks) + step  # walks from the first visible
-    live, whole = kr.tile_kinds(table_ref, b, q_block, kv_block, num_q_blocks=num_q_blocks,
-                              whole_q_blocks=rows // block_q)
+    per_q, per_k = block_q // sub_q, block_k // sub_k
+    num_q_subs = num_q_blocks * per_q
 
     @pl.when(step == 0)
     def _init():
         dq_acc[...] = jnp.zeros_like(dq_acc)
 
-    def accumulate(bounds):  # bounds: (lo, hi) columns of a masked tile, None for a whole one
-        k, v = load(k_ref), load(v_ref)
-        if bounds is not None and skv % block_k:
-            k, v = _zero_rows_past(k, kv_block * block_k, skv), _zero_rows_past(v, kv_block * block_k, skv)
-        p, t = _recompute(load(q_ref), k, lse_ref[...], bounds=bounds, kv_block=kv_block, block_k=block_k,
+    def accumulate(bounds, q_sub, kv_sub, rs, ks):  # bounds: (lo, hi) columns of a masked sub-tile, None: whole
+        k, v = _load_rows(k_ref, ks), _load_rows(v_ref, ks)
+        if bounds is not None and skv % sub_k:
+            k, v = _zero_rows_past(k, kv_sub * sub_k, skv), _zero_rows_past(v, kv_sub * sub_k, skv)
+        p, t = _recompute(_load_rows(q_ref, rs), k, lse_ref[rs, :], bounds=bounds, kv_block=kv_sub, block_k=sub_k,
                           softcap=softcap, scale=scale)
-        ds = _logit_grads(load(do_ref), v, delta_ref[...], p, t)
-        dq_acc[...] += dot_f32(ds.astype(k.dtype), k, 1, 0)
+        ds = _logit_grads(_load_rows(do_ref, rs), v, delta_ref[rs, :], p, t)
+        dq_acc[rs, :] += dot_f32(ds.astype(k.dtype), k, 1, 0)
 
-    pl.when(live & whole)(lambda: accumulate(None))
-    kr.masked_regions(live & jnp.logical_not(whole), kr.table_entry(table_ref, b, q_block, kr.RULE, num_q_blocks) == 1,
-                    lambda lo, hi: accumulate((lo, hi)), rule=rule, start_ref=start_ref, end_ref=end_ref,
-                    bounds_ref=bounds_ref, b=b, q_block=q_block)
+    for i, j, rs, ks in _sub_tiles(block_q, block_k, sub_q, sub_k):
+        q_sub, kv_sub = q_block * per_q + i, kv_block * per_k + j
+        live, whole = kr.tile_kinds(sub_table_ref, b, q_sub, kv_sub, num_q_blocks=num_q_subs,
+                                    whole_q_blocks=rows // sub_q)
+        body = functools.partial(accumulate, q_sub=q_sub, kv_sub=kv_sub, rs=rs, ks=ks)
+        pl.when(live & whole)(lambda body=body: body(None))
+        kr.masked_regions(live & jnp.logical_not(whole),
+                          kr.table_entry(sub_table_ref, b, q_sub, kr.RULE, num_q_subs) == 1,
+                          lambda lo, hi, body=body: body((lo, hi)), rule=rule, start_ref=start_ref, end_ref=end_ref,
+                          bounds_ref=bounds_ref, b=b, q_block=q_sub, bounds_rows=rs)
 
     @pl.when(step == pl.num_programs(3) - 1)
     def _store():
@@ -136,11 +197,17 @@ def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
 
 def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *, causal: bool = True,
                              window: int = 0, softcap: float = 0.0, scale: float | None = None, block_sizes=None,
-                             generation: str | None = None, interpret=False):
+                             compute_blocks=None, generation: str | None = None, interpret=False):
     """``(dq, dk, dv, d_sinks)`` of ``flash_attention`` (``d_sinks`` is ``[Hq]`` f32,
-    zeros without sinks), from its output and the ``lse`` it returned."""
+    zeros without sinks), from its output and the ``lse`` it returned.
+
+    ``block_sizes``: the blocks each grid step holds (``blocks.choose_backward_blocks``
+    when None); ``compute_blocks``: ``(sub_q, sub_k)``, dividing them, the
+    sub-tiles a step computes them in (``blocks.backward_compute_blocks`` when None)."""
     batch, hq, hkv, sq, skv, d, dv, rows, (block_q, block_k) = shapes_and_blocks(
         blocks_lib.choose_backward_blocks, q, v, block_sizes, causal, window, generation)
+    sub_q, sub_k = blocks_lib.check_compute_blocks(
+        compute_blocks or blocks_lib.backward_compute_blocks(block_q, block_k), block_q, block_k)
     group = hq // hkv
     scale = d ** -0.5 if scale is None else scale
     d_sinks = jnp.zeros((hq,), jnp.float32)
@@ -154,10 +221,12 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
     if sinks is not None:  # d sink_h = -sum over h's rows of p_sink * delta
         p_sink = jnp.exp(per_row(sinks.astype(jnp.float32), batch, hkv, group, sq) - lse)
         d_sinks = -(p_sink * delta).reshape(batch, hkv, group, sq).sum(axis=(0, 3)).reshape(hq)
-    bounds, start, end, table = kr.ranges_and_table(key_bounds, group, sq=sq, skv=skv, causal=causal, window=window,
-                                                  num_q_blocks=num_q_blocks, block_q=block_q, block_k=block_k)
+    bounds, start, end, table, sub_table = kr.ranges_and_table(
+        key_bounds, group, sq=sq, skv=skv, causal=causal, window=window, num_q_blocks=num_q_blocks, block_q=block_q,
+        block_k=block_k, compute_blocks=(sub_q, sub_k))
     common = dict(rows=rows, softcap=float(softcap), scale=float(scale), num_q_blocks=num_q_blocks,
-                  block_q=block_q, block_k=block_k, rule=kr.KernelRule(block_q, sq, skv, causal, window))
+                  block_q=block_q, block_k=block_k, sub_q=sub_q, sub_k=sub_k,
+                  rule=kr.KernelRule(sub_q, sq, skv, causal, window))
     operands = (q, k, v, dout, key_bounds)
     semantics = ("parallel", "parallel", "parallel", "arbitrary")
     kv_walk = kr.kv_steps(table, num_kv_blocks=num_kv_blocks, splits=1)
@@ -168,14 +237,25 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
                        window=window)
     q_range, walk_steps = kr.walk_plan(table, walk, num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks)
 
-    def q_at(b, h, kb, head, step, table_ref, q_range_ref, *_):
+    def q_at(b, h, kb, head, step, sub_table_ref, q_range_ref, *_):
         q_block, _ = kr.walk_query_block(q_range_ref, b, kb, head, step, num_kv_blocks=num_kv_blocks, walk=walk,
                                       for_dma=True)
         return b, h, q_block, 0
 
+    def q_lanes_at(*grid_and_refs):
+        b, h, q_block, _ = q_at(*grid_and_refs)
+        return b, h, q_block, 0, 0
+
     def q_bounds_at(*grid_and_refs):
         b, _, q_block, _ = q_at(*grid_and_refs)
-        return b, q_block, 0
+        return b, q_block, 0, 0
+
+    # The dk/dv kernel's tiles are transposed: lse, delta and the ranges as lane rows per query block.
+    padded_rows = num_q_blocks * block_q
+
+    def lane_rows(x):  # [B, Hkv, rows, 1] -> [B, Hkv, num_q_blocks, 1, block_q], padding rows 0
+        x = jnp.pad(x[..., 0], ((0, 0), (0, 0), (0, padded_rows - rows)))
+        return x.reshape(batch, hkv, num_q_blocks, 1, block_q)
 
     kv_at = lambda b, h, kb, head, step, *_: (b, h, kb, 0)  # noqa: E731
     dk, dv_ = pl.pallas_call(
@@ -186,15 +266,17 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
             num_scalar_prefetch=4, grid=(batch, hkv, num_kv_blocks, walk.heads, walk_steps),
             in_specs=[pl.BlockSpec((None, None, block_q, d), q_at), pl.BlockSpec((None, None, block_k, d), kv_at),
                       pl.BlockSpec((None, None, block_k, dv), kv_at), pl.BlockSpec((None, None, block_q, dv), q_at),
-                      pl.BlockSpec((None, None, block_q, 1), q_at), pl.BlockSpec((None, None, block_q, 1), q_at),
-                      pl.BlockSpec((None, block_q, 2), q_bounds_at)],
+                      pl.BlockSpec((None, None, None, 1, block_q), q_lanes_at),
+                      pl.BlockSpec((None, None, None, 1, block_q), q_lanes_at),
+                      pl.BlockSpec((None, None, 2, block_q), q_bounds_at)],
             out_specs=[pl.BlockSpec((None, None, block_k, d), kv_at), pl.BlockSpec((None, None, block_k, dv), kv_at)],
             scratch_shapes=[pltpu.VMEM((block_k, d), jnp.float32), pltpu.VMEM((block_k, dv), jnp.float32)],
         ),
         compiler_params=compiler_params(generation, semantics + ("arbitrary",)),
         interpret=interpret,
         name="flash_attention_bwd_dkv",
-    )(table, q_range, start, end, *map(as_kernel_operand, (q_rows, k, v, do_rows)), lse, delta, bounds)
+    )(sub_table, q_range, start, end, *map(as_kernel_operand, (q_rows, k, v, do_rows)), lane_rows(lse),
+      lane_rows(delta), kr.lane_major_bounds(bounds, num_q_blocks=num_q_blocks, block_q=block_q))
 
     # dq: each query block walks the key blocks it sees (skipped ones re-use the resident block).
     where = dict(num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks)
@@ -208,7 +290,7 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
         functools.partial(_dq_kernel, skv=skv, **common),
         out_shape=out_struct(q_rows.shape, kernel_dtype(q.dtype), *operands),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3, grid=(batch, hkv, num_q_blocks, kv_walk),
+            num_scalar_prefetch=4, grid=(batch, hkv, num_q_blocks, kv_walk),
             in_specs=[pl.BlockSpec((None, None, block_q, d), row_block),
                       pl.BlockSpec((None, None, block_k, d), kv_index),
                       pl.BlockSpec((None, None, block_k, dv), kv_index),
@@ -222,6 +304,6 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
         compiler_params=compiler_params(generation, semantics),
         interpret=interpret,
         name="flash_attention_bwd_dq",
-    )(table, start, end, *map(as_kernel_operand, (q_rows, k, v, do_rows)), lse, delta, bounds)
+    )(table, sub_table, start, end, *map(as_kernel_operand, (q_rows, k, v, do_rows)), lse, delta, bounds)
     # float16 operands: the kernels computed and stored float32 (see pallas_helpers.load).
     return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv_.astype(v.dtype), d_sinks

@@ -147,9 +147,11 @@ def visit_table(bounds, *, num_q_blocks: int, block_q: int, block_k: int, rows: 
 
 
 def ranges_and_table(key_bounds, group: int, *, sq: int, skv: int, causal: bool, window: int, num_q_blocks: int,
-                     block_q: int, block_k: int):
+                     block_q: int, block_k: int, compute_blocks: tuple[int, int] | None = None):
     """What every kernel takes: the ranges per row, the rule's ``kv_start`` /
-    ``kv_end`` (scalar-prefetched) and the visit table."""
+    ``kv_end`` (scalar-prefetched) and the visit table; with ``compute_blocks``
+    ``(sub_q, sub_k)`` (dividing the blocks) also the visit table of those
+    sub-tiles, whose kinds a kernel computing a block in sub-tiles reads."""
     # Keys outside [0, Skv) do not exist: clipped, so that no caller's ranges
     # can reach a block index below 0 or unmasked tail rows.
     key_bounds = jnp.clip(jnp.asarray(key_bounds, jnp.int32), 0, skv)
@@ -157,7 +159,16 @@ def ranges_and_table(key_bounds, group: int, *, sq: int, skv: int, causal: bool,
     bounds = row_bounds(key_bounds, group)
     table = visit_table(bounds, num_q_blocks=num_q_blocks, block_q=block_q, block_k=block_k, rows=group * sq,
                         fits=jnp.tile(fits, (1, group)))
-    return bounds, start, end, table
+    if compute_blocks is None:
+        return bounds, start, end, table
+    # The table of the compute sub-tiles: the same rows, cut finer (the padded
+    # DMA blocks' rows, so every sub-tile of a block has an entry).
+    sub_q, sub_k = compute_blocks
+    if (sub_q, sub_k) == (block_q, block_k):
+        return bounds, start, end, table, table
+    sub_table = visit_table(bounds, num_q_blocks=num_q_blocks * (block_q // sub_q), block_q=sub_q, block_k=sub_k,
+                            rows=group * sq, fits=jnp.tile(fits, (1, group)))
+    return bounds, start, end, table, sub_table
 
 
 def query_block_ranges(table, *, num_q_blocks: int, num_kv_blocks: int):
@@ -246,26 +257,48 @@ def _rem(a, b):
     return lax.rem(a, jnp.int32(b) if isinstance(b, int) else b)
 
 
-def rule_row_bounds(rule: KernelRule, start, end, q_block):
+def rule_row_bounds(rule: KernelRule, start, end, q_block, *, lanes: bool = False):
     """``(lo, hi)`` as ``[block_q, 1]`` columns from the rule on iotas:
-    broadcasting them over a tile costs no cross-lane work."""
-    rows = q_block * rule.block_q + lax.broadcasted_iota(jnp.int32, (rule.block_q, 1), 0)
+    broadcasting them over a tile costs no cross-lane work. ``lanes``: as
+    ``[1, block_q]`` rows, for a tile with the queries along its lanes."""
+    shape, axis = ((1, rule.block_q), 1) if lanes else ((rule.block_q, 1), 0)
+    rows = q_block * rule.block_q + lax.broadcasted_iota(jnp.int32, shape, axis)
     pos = end - rule.sq + (_rem(rows, rule.sq) if rule.sq > 1 else 0)
     lo, hi = rule_range(start, end, pos, skv=rule.skv, causal=rule.causal, window=rule.window, clip=jnp.clip)
     return jnp.broadcast_to(lo, rows.shape), jnp.broadcast_to(hi, rows.shape)
 
 
-def read_row_bounds(bounds_ref):
-    """``(lo, hi)`` as ``[block_q, 1]`` columns read from the block's ranges."""
-    bounds = bounds_ref[...]
+def read_row_bounds(bounds_ref, rows=slice(None)):
+    """``(lo, hi)`` as ``[block_q, 1]`` columns read from the block's ranges
+    (``rows``: a static slice of them, a sub-tile's)."""
+    bounds = bounds_ref[rows, :]
     return bounds[:, 0:1], bounds[:, 1:2]
 
 
-def masked_regions(when, by_rule, body, *, rule: KernelRule, start_ref, end_ref, bounds_ref, b, q_block):
+def read_lane_bounds(bounds_ref, rows=slice(None)):
+    """``(lo, hi)`` as ``[1, block_q]`` rows read from the block's ranges laid
+    out ``[2, block_q]`` (``lane_major_bounds``)."""
+    return bounds_ref[0:1, rows], bounds_ref[1:2, rows]
+
+
+def lane_major_bounds(bounds, *, num_q_blocks: int, block_q: int):
+    """``[B, rows, 2]`` ranges as ``[B, num_q_blocks, 2, block_q]`` (padding rows
+    ``[0, 0)``: they see nothing), for tiles with the queries along their lanes."""
+    batch, rows, _ = bounds.shape
+    padded = jnp.pad(bounds, ((0, 0), (0, num_q_blocks * block_q - rows), (0, 0)))
+    return padded.reshape(batch, num_q_blocks, block_q, 2).transpose(0, 1, 3, 2)
+
+
+def masked_regions(when, by_rule, body, *, rule: KernelRule, start_ref, end_ref, bounds_ref, b, q_block,
+                   bounds_rows=slice(None), lanes: bool = False):
     """``body(lo, hi)`` for a masked tile in two regions: the rows' ranges from
-    the rule's iotas where the visit table says they fit it, else read."""
-    pl.when(when & by_rule)(lambda: body(*rule_row_bounds(rule, start_ref[b], end_ref[b], q_block)))
-    pl.when(when & jnp.logical_not(by_rule))(lambda: body(*read_row_bounds(bounds_ref)))
+    the rule's iotas where the visit table says they fit it, else read
+    (``q_block`` counts blocks of ``rule.block_q`` rows; ``bounds_rows``: the
+    tile's rows within the ``bounds_ref`` block). ``lanes``: the ranges as
+    ``[1, block_q]`` rows, ``bounds_ref`` laid out by ``lane_major_bounds``."""
+    read = read_lane_bounds if lanes else read_row_bounds
+    pl.when(when & by_rule)(lambda: body(*rule_row_bounds(rule, start_ref[b], end_ref[b], q_block, lanes=lanes)))
+    pl.when(when & jnp.logical_not(by_rule))(lambda: body(*read(bounds_ref, bounds_rows)))
 
 
 # ----------------------------------------------------------------------------
