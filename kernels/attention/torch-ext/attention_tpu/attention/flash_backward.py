@@ -34,41 +34,28 @@ from . import key_ranges as kr
 from .flash_forward import LOG2_E, per_row, shapes_and_blocks
 
 
-def _recompute(q, k, lse, *, bounds, kv_block, block_k, softcap, scale):
+def _recompute(q, k, lse, *, bounds, kv_block, block_k, softcap, scale, transposed=False):
     """Probabilities ``p`` of one (query block, key block) tile and ``tanh`` of
     the capped logits (None without soft-capping). ``bounds``: per-row ``(lo,
     hi)`` columns of a masked tile (rows that saw no key, lse -inf, are
-    guarded), None for a tile every row sees whole."""
+    guarded), None for a tile every row sees whole. ``transposed``: the tile
+    as ``[block_k, block_q]`` (keys along the sublanes, queries along the
+    lanes), ``lse`` and ``bounds`` as ``[1, block_q]`` rows."""
+    def scores(q_):
+        return dot_f32(k, q_, 1, 1) if transposed else dot_f32(q_, k, 1, 1)
+
     if softcap:
-        t = jnp.tanh(dot_f32(q, k, 1, 1) * (scale / softcap))
+        t = jnp.tanh(scores(q) * (scale / softcap))
         x, lse_, exp = softcap * t, lse, jnp.exp
     else:
         # Base 2, log2(e) and the scale on q ([block_q, D]), as in the forward.
         q2 = (q.astype(jnp.float32) * (scale * LOG2_E)).astype(q.dtype)
-        x, t, lse_, exp = dot_f32(q2, k, 1, 1), None, lse * LOG2_E, jnp.exp2
+        x, t, lse_, exp = scores(q2), None, lse * LOG2_E, jnp.exp2
     if bounds is None:
         return exp(x - lse_), t
     lo, hi = bounds
-    keys = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-    # One select: invisible entries become exp(-inf) = 0, whatever x or lse
-    # hold there (a row that sees a key has a finite lse).
-    return exp(jnp.where((keys >= lo) & (keys < hi), x - lse_, -jnp.inf)), t
-
-
-def _recompute_t(q, k, lse, *, bounds, kv_block, block_k, softcap, scale):
-    """``_recompute`` of a transposed tile ``[block_k, block_q]`` (keys along the
-    sublanes, queries along the lanes): ``lse`` and ``bounds`` are ``[1,
-    block_q]`` rows."""
-    if softcap:
-        t = jnp.tanh(dot_f32(k, q, 1, 1) * (scale / softcap))
-        x, lse_, exp = softcap * t, lse, jnp.exp
-    else:
-        q2 = (q.astype(jnp.float32) * (scale * LOG2_E)).astype(q.dtype)
-        x, t, lse_, exp = dot_f32(k, q2, 1, 1), None, lse * LOG2_E, jnp.exp2
-    if bounds is None:
-        return exp(x - lse_), t
-    lo, hi = bounds
-    keys = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+    shape, axis = ((block_k, 1), 0) if transposed else ((1, block_k), 1)
+    keys = kv_block * block_k + lax.broadcasted_iota(jnp.int32, shape, axis)
     # One select: invisible entries become exp(-inf) = 0, whatever x or lse
     # hold there (a row that sees a key has a finite lse).
     return exp(jnp.where((keys >= lo) & (keys < hi), x - lse_, -jnp.inf)), t
@@ -130,8 +117,8 @@ def _dkv_kernel(sub_table_ref, q_range_ref, start_ref, end_ref, q_ref, k_ref, v_
             bounds = lo, jnp.where(row < rows, hi, lo)  # padding rows see nothing
         # Transposed tiles ([keys, queries]): dv and dk are plain products, no
         # transpose of a score-sized tile; lse and delta are lane rows.
-        p_t, t = _recompute_t(q, _load_rows(k_ref, ks), lse_ref[:, rs], bounds=bounds, kv_block=kv_sub,
-                              block_k=sub_k, softcap=softcap, scale=scale)
+        p_t, t = _recompute(q, _load_rows(k_ref, ks), lse_ref[:, rs], bounds=bounds, kv_block=kv_sub,
+                            block_k=sub_k, softcap=softcap, scale=scale, transposed=True)
         dv_acc[ks, :] += dot_f32(p_t.astype(do.dtype), do, 1, 0)
         ds_t = p_t * (dot_f32(_load_rows(v_ref, ks), do, 1, 1) - delta)
         if t is not None:
