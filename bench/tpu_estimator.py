@@ -164,11 +164,13 @@ _IDENTITY = {"squeeze", "reshape", "broadcast_in_dim", "copy"}
 @dataclasses.dataclass
 class CondRecord:
     """One ``cond`` met while interpreting: per step, which branch runs
-    (``-1`` where the enclosing region did not run), and which branches hold
-    MXU work with no MXU ``cond`` nested inside (innermost)."""
+    (``-1`` where the enclosing region did not run), which branches hold
+    MXU work with no MXU ``cond`` nested inside (innermost), and which hold
+    MXU work at all (innermost or enclosing MXU conds)."""
 
     branch: np.ndarray
     dot_branches: tuple[int, ...]
+    all_dot_branches: tuple[int, ...] = ()
 
 
 def _has_dot(jaxpr) -> bool:
@@ -431,7 +433,8 @@ def interpret(jaxpr, inputs, *, grid_index, grid, steps, conds=None, active=None
             if (conds is not None or trace is not None) and index is not UNKNOWN:
                 branch = np.where(active, np.broadcast_to(index, (steps,)), -1)
                 if conds is not None:
-                    conds.append(CondRecord(branch, _innermost_dot_branches(e)))
+                    conds.append(CondRecord(branch, _innermost_dot_branches(e),
+                                            tuple(b for b, br in enumerate(branches) if _has_dot(br.jaxpr))))
                 for b, br in enumerate(branches):  # nested conds: recorded where this branch runs
                     interpret(br.jaxpr, ins[1:], grid_index=grid_index, grid=grid, steps=steps,
                               conds=conds, active=active & (branch == b), trace=trace)
@@ -582,6 +585,9 @@ class GridReplay:
     loops: list[LoopRecord] = dataclasses.field(default_factory=list)  # inner loops, program order
     dmas: list[DmaEvent] = dataclasses.field(default_factory=list)  # manual DMAs, execution order
     manual: list[bool] | None = None  # per block mapping: memory_space=ANY, the kernel copies it itself
+    # Every MXU pl.when body, enclosing ones too, in program order (an enclosing
+    # body before those nested in it), [steps] bool each.
+    mxu_taken_all: list[np.ndarray] | None = None
 
     @property
     def steps(self) -> int:
@@ -644,11 +650,12 @@ def replay(call: KernelCall, known_refs: dict[int, np.ndarray] | None = None) ->
     interpret(kernel, refs, grid_index=[grid_index[a] for a in user], grid=[grid[a] for a in user], steps=steps,
               conds=conds, trace=trace)
     taken = [np.isin(c.branch, b) for c in conds for b in c.dot_branches]
+    taken_all = [np.isin(c.branch, b) for c in conds for b in c.all_dot_branches]
     buffers = [getattr(bm.pipeline_mode, "buffer_count", None) or 2 for bm in gm.block_mappings]
     # memory_space=ANY or HBM: the operand stays in HBM, the kernel copies what it needs itself
     manual = [str(getattr(bm.block_aval, "memory_space", "")) in ("any", "hbm") for bm in gm.block_mappings]
     return GridReplay(tuple(grid), block_indices, block_bytes, is_output, taken, buffers, whole,
-                      trace.loops, trace.dmas, manual)
+                      trace.loops, trace.dmas, manual, taken_all)
 
 
 # ----------------------------------------------------------------------------
@@ -784,6 +791,9 @@ def step_cycles(rp: GridReplay, schedule: tpu_schedule.Schedule) -> tuple[np.nda
             cycles -= sum(r.cycles for r in mxu_regions) - max(r.cycles for r in mxu_regions)
     elif not rp.mxu_taken:  # no matmul under a pl.when: every step runs all of the loop
         matched = True
+    elif (nested_skips := _nested_skips(rp, schedule, loop)) is not None:
+        matched = True
+        cycles -= nested_skips
     else:
         taken_lists = rp.mxu_taken
         if len(mxu_regions) != len(taken_lists):
@@ -800,6 +810,26 @@ def step_cycles(rp: GridReplay, schedule: tpu_schedule.Schedule) -> tuple[np.nda
     wrappers = [r for r in schedule.regions_in(loop) if mxu_regions and all(r.contains(m) for m in mxu_regions)]
     fill = loop.cycles - max(w.cycles for w in wrappers) if wrappers and rp.mxu_taken is not None else 0
     return cycles, matched, fill
+
+
+def _nested_skips(rp: GridReplay, schedule: tpu_schedule.Schedule, loop) -> np.ndarray | None:
+    """Per step, the cycles of the MXU regions it skips when some enclose
+    others (a ``pl.when`` whose body holds more of them): a region not taken
+    is skipped whole, its own scalar and vector work included, unless an
+    enclosing one already is. None when there is no nesting or the regions do
+    not pair with the ``pl.when`` bodies (then only innermost ones count)."""
+    regions = sorted((r for r in schedule.regions_in(loop) if r.mxu_ops), key=lambda r: (r.start, -r.end))
+    taken = rp.mxu_taken_all
+    if taken and len(regions) == len(taken) + 1 and all(regions[0].contains(r) for r in regions[1:]):
+        regions = regions[1:]  # the pipeline's own guard around the step body: no pl.when of the kernel's
+    if taken is None or len(regions) != len(taken) or not any(a.contains(b) for a in regions for b in regions):
+        return None
+    skipped = np.zeros(rp.steps, dtype=np.int64)
+    for i, region in enumerate(regions):
+        parents = [j for j in range(i) if regions[j].contains(region)]
+        parent_runs = taken[max(parents, key=lambda j: regions[j].start)] if parents else True
+        skipped += np.where(~taken[i] & parent_runs, region.cycles, 0)
+    return skipped
 
 
 def body_loop(rp: GridReplay, schedule: tpu_schedule.Schedule) -> tpu_schedule.Loop:

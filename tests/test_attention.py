@@ -148,6 +148,36 @@ def test_forward_tiles_computed_in_key_sub_blocks():
         _check(got, want, torch.float32, f"sub-blocks causal={causal} window={window}")
 
 
+@pytest.mark.parametrize("ranges", ["rule", "random"])
+def test_forward_masked_blocks_computed_in_sub_tiles(ranges, monkeypatch):
+    """Masked blocks cut in sub-tiles of rows and keys (16 x 128 here: 3 x 4 per
+    48 x 512 block, the rule's being 1024 x 512 of 2048 x 2048), each skipped,
+    unmasked or masked on its own: rule ranges with offsets, windows and
+    soft-capping (ranges rebuilt from iotas), random per-query ranges (read),
+    padding rows in the last query block, a tail key block; poisoned outputs."""
+    assert blocks.forward_compute_blocks(2048, 2048) == (blocks.FORWARD_COMPUTE_ROWS, blocks.COMPUTE_BLOCK_K)
+    assert blocks.forward_compute_blocks(512, 512) == (512, 512)  # window tiles stay whole
+    assert blocks.forward_compute_blocks(8, 4096) == (8, 4096)  # decode tiles too
+    monkeypatch.setattr(blocks, "FORWARD_COMPUTE_ROWS", 16)
+    monkeypatch.setattr(blocks, "COMPUTE_BLOCK_K", 128)
+    monkeypatch.setattr(blocks, "DECODE_MAX_ROWS", 8)  # 48-row tiles count as prefill tiles
+    assert blocks.forward_compute_blocks(48, 512) == (16, 128)
+    rng = np.random.default_rng(SEED + 23)
+    q, k, v, sinks = _inputs((2, 4, 2, 70, 1100, 16, 16), torch.float32, seed=23)
+    if ranges == "random":
+        cases = [(torch.from_numpy(_ranges_mask(_random_ranges(rng, 2, 70, 1100), 1100)), True, 0, 0.0)]
+    else:
+        start, end = np.array([0, 400], np.int32), np.array([1100, 1000], np.int32)
+        cases = [(torch.from_numpy(reference.attention_rule_mask(start, end, 70, 1100, causal=causal, window=window)),
+                  causal, window, softcap) for causal, window, softcap in ((True, 0, 0.0), (True, 30, 20.0),
+                                                                           (False, 0, 0.0))]
+    for visible, causal, window, softcap in cases:
+        got = attention_tpu.attention(q, k, v, attention_mask=visible, causal=causal, window=window, sinks=sinks,
+                                      softcap=softcap, block_sizes=(48, 512), impl="interpret")
+        want = reference.attention(q, k, v, visible.numpy(), scale=0.25, softcap=softcap, sinks=sinks.numpy())
+        _check(got, want, torch.float32, f"sub-tiles {ranges} causal={causal} window={window}")
+
+
 @pytest.mark.parametrize("kv_splits", [2, 3, 5])
 def test_kv_splits_merge_to_one_softmax(kv_splits):
     """Keys split in parts whose partial softmaxes are merged: splits that see no

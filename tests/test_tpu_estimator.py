@@ -356,6 +356,49 @@ def test_manual_dma_waits_matched_past_a_one_step_grids_scalar_prefetch(inner_an
     assert p["matched"]  # the SMEM table's wait is not taken for one of the kernel's own
 
 
+_NESTED_WHEN = """
+import json, sys
+sys.path.insert(0, {bench!r})
+import tpu_estimator
+import jax, jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+def kernel(x_ref, w_ref, o_ref):
+    o_ref[...] = x_ref[...]
+
+    @pl.when(pl.program_id(0) >= 2)
+    def _outer():  # vector work of its own, then a matmul under a nested pl.when
+        y = x_ref[...]
+        for _ in range(6):
+            y = jnp.tanh(y) * 1.5
+        o_ref[...] = y
+
+        @pl.when(pl.program_id(0) == 3)
+        def _inner():
+            o_ref[...] += jnp.dot(x_ref[...], w_ref[...], preferred_element_type=jnp.float32)
+
+call = pl.pallas_call(kernel, grid=(4,), in_specs=[pl.BlockSpec((256, 256), lambda i: (i, 0)),
+                                                   pl.BlockSpec((256, 256), lambda i: (0, 0))],
+                      out_specs=pl.BlockSpec((256, 256), lambda i: (i, 0)),
+                      out_shape=jax.ShapeDtypeStruct((1024, 256), jnp.float32), name="nested_when")
+est = tpu_estimator.estimate(call, [jax.ShapeDtypeStruct((1024, 256), jnp.float32),
+                                    jax.ShapeDtypeStruct((256, 256), jnp.float32)], "v6e", flops=0, min_bytes=0)
+[k] = est.kernels
+print(json.dumps(dict(cycles=[int(c) for c in k.step_cycles], matched=k.regions_matched)))
+"""
+
+
+def test_a_pl_when_enclosing_matmul_regions_is_skipped_whole():
+    """Steps 0-1 skip the outer pl.when (its own vector work and the matmul
+    nested in it), step 2 runs the outer work only, step 3 both: each step is
+    charged what it runs (charging only the innermost matmul regions made steps
+    0-2 cost the same)."""
+    r = _estimate_in_subprocess(_NESTED_WHEN)
+    c = r["cycles"]
+    assert r["matched"]
+    assert c[0] == c[1] < c[2] < c[3], c
+
+
 def test_megacore_core_steps_split_the_axis_in_contiguous_halves():
     # grid (3, 2), split on axis 0: core 0 takes rows 0-1 (steps 0-3), core 1 row 2.
     core0, core1 = tpu_estimator.core_steps((3, 2), 0, 2)

@@ -178,6 +178,7 @@ DECODE_BLOCK_K = 4096
 DECODE_CHUNKS = {"v5e": 1024, "v6e": 1024, "tpu7x": 2048}
 MIN_BLOCK_K = 512
 COMPUTE_BLOCK_K = 512
+FORWARD_COMPUTE_ROWS = 1024
 BACKWARD_BLOCK = 2048
 BACKWARD_COMPUTE_BLOCK = 1024
 
@@ -214,6 +215,25 @@ def compute_block_k(block_q: int, block_k: int) -> int:
     if block_q > DECODE_MAX_ROWS and block_k > COMPUTE_BLOCK_K and block_k % COMPUTE_BLOCK_K == 0:
         return COMPUTE_BLOCK_K
     return block_k
+
+
+def forward_compute_blocks(block_q: int, block_k: int) -> tuple[int, int]:
+    """The forward's compute sub-tiles ``(sub_q, sub_k)`` of a ``(block_q,
+    block_k)`` tile: ``compute_block_k`` keys, and ``FORWARD_COMPUTE_ROWS`` rows
+    where they divide a prefill tile split in key sub-blocks (else all rows).
+    Only masked tiles are cut by rows: each sub-tile is then skipped, unmasked
+    or masked on its own from the sub-tiles' visit table."""
+    sub_k = compute_block_k(block_q, block_k)
+    split_rows = sub_k < block_k and block_q > FORWARD_COMPUTE_ROWS and block_q % FORWARD_COMPUTE_ROWS == 0
+    return (FORWARD_COMPUTE_ROWS if split_rows else block_q), sub_k
+
+
+def sub_tiles(block_q: int, block_k: int, sub_q: int, sub_k: int):
+    """The static ``(i, j, rows, keys)`` of a block's compute sub-tiles: the
+    ``i``-th ``sub_q`` rows and ``j``-th ``sub_k`` keys, as slices of the block."""
+    for i in range(block_q // sub_q):
+        for j in range(block_k // sub_k):
+            yield i, j, slice(i * sub_q, (i + 1) * sub_q), slice(j * sub_k, (j + 1) * sub_k)
 
 
 def choose_decode_chunk(rows: int, kv_len: int, *, kv_heads: int = 1, head_dim: int = 128, v_dim: int | None = None,

@@ -83,14 +83,6 @@ def _load_rows(ref, rows):
     return float16_bits_to_float32(x) if x.dtype == FLOAT16_BITS else x
 
 
-def _sub_tiles(block_q, block_k, sub_q, sub_k):
-    """The static ``(i, j, rows, keys)`` of a block's compute sub-tiles: the
-    ``i``-th ``sub_q`` rows and ``j``-th ``sub_k`` keys, as slices of the block."""
-    for i in range(block_q // sub_q):
-        for j in range(block_k // sub_k):
-            yield i, j, slice(i * sub_q, (i + 1) * sub_q), slice(j * sub_k, (j + 1) * sub_k)
-
-
 def _dkv_kernel(sub_table_ref, q_range_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                 bounds_ref, dk_ref, dv_ref, dk_acc, dv_acc, *, block_q, block_k, sub_q, sub_k, rows, softcap, scale,
                 num_q_blocks, num_kv_blocks, walk, rule):
@@ -127,7 +119,7 @@ def _dkv_kernel(sub_table_ref, q_range_ref, start_ref, end_ref, q_ref, k_ref, v_
 
     # Each sub-tile on its own: skipped where no row sees its keys, unmasked
     # where every row sees them all (key_ranges.tile_kinds on the sub-tiles' table).
-    for i, j, rs, ks in _sub_tiles(block_q, block_k, sub_q, sub_k):
+    for i, j, rs, ks in blocks_lib.sub_tiles(block_q, block_k, sub_q, sub_k):
         q_sub, kv_sub = q_block * per_q + i, kv_block * per_k + j
         live, whole = kr.tile_kinds(sub_table_ref, b, q_sub, kv_sub, num_q_blocks=num_q_subs,
                                     whole_q_blocks=rows // sub_q)
@@ -166,7 +158,7 @@ def _dq_kernel(table_ref, sub_table_ref, start_ref, end_ref, q_ref, k_ref, v_ref
         ds = _logit_grads(_load_rows(do_ref, rs), v, delta_ref[rs, :], p, t)
         dq_acc[rs, :] += dot_f32(ds.astype(k.dtype), k, 1, 0)
 
-    for i, j, rs, ks in _sub_tiles(block_q, block_k, sub_q, sub_k):
+    for i, j, rs, ks in blocks_lib.sub_tiles(block_q, block_k, sub_q, sub_k):
         q_sub, kv_sub = q_block * per_q + i, kv_block * per_k + j
         live, whole = kr.tile_kinds(sub_table_ref, b, q_sub, kv_sub, num_q_blocks=num_q_subs,
                                     whole_q_blocks=rows // sub_q)

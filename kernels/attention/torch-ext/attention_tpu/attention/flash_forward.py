@@ -47,9 +47,9 @@ from . import key_ranges as kr
 from .softmax_tiles import LOG2_E, STAT_LANES, finished_rows, online_softmax_step, tile_scores  # noqa: F401
 
 
-def _flash_kernel(table_ref, steps_ref, start_ref, end_ref, q_ref, k_ref, v_ref, bounds_ref, o_ref, lse_ref, m_ref,
-                  l_ref, acc_ref, *, block_q: int, block_k: int, compute_k: int, skv: int, softcap: float,
-                  scale: float, num_q_blocks: int, rule: kr.KernelRule):
+def _flash_kernel(table_ref, sub_table_ref, steps_ref, start_ref, end_ref, q_ref, k_ref, v_ref, bounds_ref, o_ref,
+                  lse_ref, m_ref, l_ref, acc_ref, *, block_q: int, block_k: int, sub_q: int, sub_k: int, skv: int,
+                  softcap: float, scale: float, num_q_blocks: int, rule: kr.KernelRule):
     b, split, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     entry = functools.partial(kr.table_entry, table_ref, b, q_block, num_q_blocks=num_q_blocks)
     kv_block = kr.kv_block_of_step(entry, split, step, pl.num_programs(4))
@@ -63,35 +63,47 @@ def _flash_kernel(table_ref, steps_ref, start_ref, end_ref, q_ref, k_ref, v_ref,
 
     base2 = not softcap  # scores in base 2 (softmax_tiles)
     exp = jnp.exp2 if base2 else jnp.exp
-    # The tile is computed in key sub-blocks of compute_k (blocks.compute_block_k):
-    # [block_q, compute_k] f32 temporaries instead of [block_q, block_k] ones.
-    pieces = block_k // compute_k
+    per_q, per_k = block_q // sub_q, block_k // sub_k
 
-    def tile(masked_by=None):
-        q = load(q_ref)
-        for j in range(pieces):
-            keys = pl.ds(j * compute_k, compute_k)
-            s = tile_scores(q, load(k_ref.at[keys]), softcap=softcap, scale=scale)  # [block_q, compute_k]
-            v = load(v_ref.at[keys])
-            if masked_by is not None:
-                lo, hi = masked_by
-                first = kv_block * block_k + j * compute_k
-                key_ids = first + lax.broadcasted_iota(jnp.int32, (1, compute_k), 1)
-                s = jnp.where((key_ids >= lo) & (key_ids < hi), s, -jnp.inf)
-                if skv % block_k:  # the tail block holds rows past Skv: garbage, zeroed (0 * NaN is NaN)
-                    key_rows = first + lax.broadcasted_iota(jnp.int32, (compute_k, 1), 0)
-                    v = jnp.where(key_rows < skv, v.astype(jnp.float32), 0.0).astype(v.dtype)
-            online_softmax_step(s, v, m_ref, l_ref, acc_ref, masked=masked_by is not None, exp=exp)
+    def fold(q, rows, j, masked_by):
+        """Fold the ``j``-th ``sub_k`` keys of the block into the running softmax
+        of ``rows`` (queries ``q``); ``masked_by``: their ``(lo, hi)`` columns."""
+        keys = pl.ds(j * sub_k, sub_k)
+        s = tile_scores(q, load(k_ref.at[keys]), softcap=softcap, scale=scale)  # [rows, sub_k]
+        v = load(v_ref.at[keys])
+        if masked_by is not None:
+            lo, hi = masked_by
+            first = kv_block * block_k + j * sub_k
+            key_ids = first + lax.broadcasted_iota(jnp.int32, (1, sub_k), 1)
+            s = jnp.where((key_ids >= lo) & (key_ids < hi), s, -jnp.inf)
+            if skv % block_k:  # the tail block holds rows past Skv: garbage, zeroed (0 * NaN is NaN)
+                key_rows = first + lax.broadcasted_iota(jnp.int32, (sub_k, 1), 0)
+                v = jnp.where(key_rows < skv, v.astype(jnp.float32), 0.0).astype(v.dtype)
+        online_softmax_step(s, v, m_ref.at[rows], l_ref.at[rows], acc_ref.at[rows], masked=masked_by is not None,
+                            exp=exp)
 
+    # Every row sees every key of the block: all rows at once, in key sub-blocks
+    # of sub_k ([block_q, sub_k] f32 temporaries instead of [block_q, block_k]).
     @pl.when(live & whole)
-    def _interior():  # every row sees every key of the block: no mask at all
-        tile()
+    def _interior():
+        q = load(q_ref)
+        for j in range(per_k):
+            fold(q, slice(None), j, None)
 
-    def edge(lo, hi):
-        tile((lo, hi))
-
-    kr.masked_regions(live & jnp.logical_not(whole), entry(kr.RULE) == 1, edge, rule=rule, start_ref=start_ref,
-                      end_ref=end_ref, bounds_ref=bounds_ref, b=b, q_block=q_block)
+    # A masked block, sub-tile by sub-tile: each skipped where no row sees its
+    # keys, unmasked where every row sees them all (the sub-tiles' visit table:
+    # a causal diagonal block computes 6 of its 8 sub-tiles, 2 of them unmasked).
+    @pl.when(live & jnp.logical_not(whole))
+    def _edge():
+        for i, j, rs, _ in blocks_lib.sub_tiles(block_q, block_k, sub_q, sub_k):
+            q_sub, kv_sub = q_block * per_q + i, kv_block * per_k + j
+            sub_live, sub_whole = kr.tile_kinds(sub_table_ref, b, q_sub, kv_sub, num_q_blocks=num_q_blocks * per_q)
+            body = functools.partial(lambda bounds, rs, j: fold(load(q_ref.at[rs]), rs, j, bounds), rs=rs, j=j)
+            pl.when(sub_live & sub_whole)(lambda body=body: body(None))
+            kr.masked_regions(sub_live & jnp.logical_not(sub_whole),
+                              kr.table_entry(sub_table_ref, b, q_sub, kr.RULE, num_q_blocks * per_q) == 1,
+                              lambda lo, hi, body=body: body((lo, hi)), rule=rule, start_ref=start_ref,
+                              end_ref=end_ref, bounds_ref=bounds_ref, b=b, q_block=q_sub, bounds_rows=rs)
 
     @pl.when(step == pl.num_programs(4) - 1)
     def _finish():
@@ -186,16 +198,18 @@ def flash_attention_with_lse(q, k, v, key_bounds, sinks=None, *, causal: bool = 
             lse = per_row(sinks.astype(jnp.float32), batch, hkv, hq // hkv, sq)
         return jnp.zeros((batch, hq, sq, dv), q.dtype), lse
     plan = forward_plan(q, k, v, block_sizes, kv_splits, generation, causal, window)
-    bounds, start, end, table = kr.ranges_and_table(key_bounds, hq // hkv, sq=sq, skv=skv, causal=causal,
-                                                    window=window, num_q_blocks=plan.num_q_blocks,
-                                                    block_q=plan.block_q, block_k=plan.block_k)
+    compute_blocks = None if plan.decode_chunk else blocks_lib.forward_compute_blocks(plan.block_q, plan.block_k)
+    bounds, start, end, table, *sub_table = kr.ranges_and_table(
+        key_bounds, hq // hkv, sq=sq, skv=skv, causal=causal, window=window, num_q_blocks=plan.num_q_blocks,
+        block_q=plan.block_q, block_k=plan.block_k, compute_blocks=compute_blocks)
     if plan.decode_chunk:
         out, lse = flash_decode.decode_attention_with_lse(
             q.reshape(batch, hkv, rows, d), k, v, bounds, table, chunk=plan.decode_chunk, splits=plan.splits,
             softcap=softcap, scale=scale, generation=generation, interpret=interpret)
     else:
-        out, lse = _grid_forward(q, k, v, key_bounds, bounds, start, end, table, plan, causal=causal, window=window,
-                                 softcap=softcap, scale=scale, generation=generation, interpret=interpret)
+        out, lse = _grid_forward(q, k, v, key_bounds, bounds, start, end, table, *sub_table, plan, causal=causal,
+                                 window=window, softcap=softcap, scale=scale, generation=generation,
+                                 interpret=interpret)
     if plan.splits == 1:
         out, lse = out[:, :, 0], lse[:, :, 0]
     else:
@@ -208,9 +222,10 @@ def flash_attention_with_lse(q, k, v, key_bounds, sinks=None, *, causal: bool = 
     return out.astype(q.dtype).reshape(batch, hq, sq, dv), lse
 
 
-def _grid_forward(q, k, v, key_bounds, bounds, start, end, table, plan: ForwardPlan, *, causal, window, softcap,
+def _grid_forward(q, k, v, key_bounds, bounds, start, end, table, sub_table, plan: ForwardPlan, *, causal, window, softcap,
                   scale, generation, interpret):
-    """The grid kernel: ``(out, lse)`` per KV split, as ``[B, Hkv, splits, rows, .]``."""
+    """The grid kernel: ``(out, lse)`` per KV split, as ``[B, Hkv, splits, rows, .]``
+    (``sub_table``: the visit table of ``blocks.forward_compute_blocks``' sub-tiles)."""
     batch, hq, sq, d = q.shape
     _, hkv, skv, dv = v.shape
     rows = plan.rows
@@ -218,7 +233,7 @@ def _grid_forward(q, k, v, key_bounds, bounds, start, end, table, plan: ForwardP
     per_split = kr.kv_steps(table, num_kv_blocks=plan.num_kv_blocks, splits=splits)  # traced: a dynamic grid axis
     where = dict(num_q_blocks=plan.num_q_blocks, num_kv_blocks=plan.num_kv_blocks)
 
-    def kv_at(b, h, split, qb, step, table_ref, steps_ref, *_):
+    def kv_at(b, h, split, qb, step, table_ref, sub_table_ref, steps_ref, *_):
         entry = functools.partial(kr.table_entry, table_ref, b, qb, num_q_blocks=plan.num_q_blocks)
         kv_block = kr.kv_block_of_step(entry, split, step, steps_ref[0])
         return b, h, kr.clamped_kv_index(table_ref, b, qb, kv_block, **where), 0
@@ -232,10 +247,10 @@ def _grid_forward(q, k, v, key_bounds, bounds, start, end, table, plan: ForwardP
     def split_rows_at(b, h, split, qb, step, *_):
         return b, h, split, qb, 0
 
-    kernel = functools.partial(_flash_kernel, block_q=block_q, block_k=block_k,
-                               compute_k=blocks_lib.compute_block_k(block_q, block_k), skv=skv, softcap=float(softcap),
-                               scale=float(scale), num_q_blocks=plan.num_q_blocks,
-                               rule=kr.KernelRule(block_q, sq, skv, causal, window))
+    sub_q, sub_k = blocks_lib.forward_compute_blocks(block_q, block_k)
+    kernel = functools.partial(_flash_kernel, block_q=block_q, block_k=block_k, sub_q=sub_q, sub_k=sub_k, skv=skv,
+                               softcap=float(softcap), scale=float(scale), num_q_blocks=plan.num_q_blocks,
+                               rule=kr.KernelRule(sub_q, sq, skv, causal, window))
     # One split: the final output in the kernel's dtype of q; several: f32 partials to merge.
     out_dtype = kernel_dtype(q.dtype) if splits == 1 else jnp.float32
     operands = (q, k, v, key_bounds)
@@ -244,7 +259,7 @@ def _grid_forward(q, k, v, key_bounds, bounds, start, end, table, plan: ForwardP
         out_shape=(out_struct((batch, hkv, splits, rows, dv), out_dtype, *operands),
                    out_struct((batch, hkv, splits, rows, 1), jnp.float32, *operands)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
+            num_scalar_prefetch=5,
             grid=(batch, hkv, splits, plan.num_q_blocks, per_split),
             in_specs=[pl.BlockSpec((None, None, block_q, d), rows_at),
                       pl.BlockSpec((None, None, block_k, d), kv_at),
@@ -259,7 +274,7 @@ def _grid_forward(q, k, v, key_bounds, bounds, start, end, table, plan: ForwardP
         compiler_params=compiler_params(generation, ("parallel",) * 4 + ("arbitrary",)),
         interpret=interpret,
         name="flash_attention_fwd",
-    )(table, per_split.reshape(1), start, end, *map(as_kernel_operand, (q.reshape(batch, hkv, rows, d), k, v)), bounds)
+    )(table, sub_table, per_split.reshape(1), start, end, *map(as_kernel_operand, (q.reshape(batch, hkv, rows, d), k, v)), bounds)
     return out, lse
 
 
