@@ -13,7 +13,9 @@ How (the method is in bench/results/tpu_calibration.md, with its error):
    an output block is written back when its index changes.
 3. Simulate the pipeline: one FIFO DMA queue at HBM bandwidth; the inputs of
    step i+1 are issued when step i starts, step i waits for its own inputs;
-   a step computes for (loop cycles - regions it skips) / clock; write-backs
+   a step computes for (loop cycles - regions it skips) / clock (a
+   ``pl.when`` whose body holds other MXU ``pl.when`` bodies is skipped
+   whole, its own scalar and vector work too, where it does not run); write-backs
    queue behind. Add the prologue/epilogue, the first fetch, the last
    write-back, the copies of operands XLA placed in VMEM, and the other XLA
    ops of the program (their static bundle counts, one pass each).

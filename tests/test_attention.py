@@ -151,7 +151,7 @@ def test_forward_tiles_computed_in_key_sub_blocks():
 @pytest.mark.parametrize("ranges", ["rule", "random"])
 def test_forward_masked_blocks_computed_in_sub_tiles(ranges, monkeypatch):
     """Masked blocks cut in sub-tiles of rows and keys (16 x 128 here: 3 x 4 per
-    48 x 512 block, the rule's being 1024 x 512 of 2048 x 2048), each skipped,
+    48 x 512 block, the rule's being 512 x 512 of 2048 x 2048), each skipped,
     unmasked or masked on its own: rule ranges with offsets, windows and
     soft-capping (ranges rebuilt from iotas), random per-query ranges (read),
     padding rows in the last query block, a tail key block; poisoned outputs."""

@@ -92,7 +92,7 @@ def _flash_kernel(table_ref, sub_table_ref, steps_ref, start_ref, end_ref, q_ref
 
     # A masked block, sub-tile by sub-tile: each skipped where no row sees its
     # keys, unmasked where every row sees them all (the sub-tiles' visit table:
-    # a causal diagonal block computes 6 of its 8 sub-tiles, 2 of them unmasked).
+    # a causal diagonal 2048 x 2048 block computes 10 of its 16 sub-tiles, 6 unmasked).
     @pl.when(live & jnp.logical_not(whole))
     def _edge():
         for i, j, rs, _ in blocks_lib.sub_tiles(block_q, block_k, sub_q, sub_k):
