@@ -93,8 +93,7 @@ def _flash_kernel(table_ref, sub_table_ref, steps_ref, start_ref, end_ref, q_ref
     # A masked block, sub-tile by sub-tile: each skipped where no row sees its
     # keys, unmasked where every row sees them all (the sub-tiles' visit table:
     # a causal diagonal 2048 x 2048 block computes 10 of its 16 sub-tiles, 6 unmasked).
-    @pl.when(live & jnp.logical_not(whole))
-    def _edge():
+    def edge():
         for i, j, rs, _ in blocks_lib.sub_tiles(block_q, block_k, sub_q, sub_k):
             q_sub, kv_sub = q_block * per_q + i, kv_block * per_k + j
             sub_live, sub_whole = kr.tile_kinds(sub_table_ref, b, q_sub, kv_sub, num_q_blocks=num_q_blocks * per_q)
@@ -104,6 +103,13 @@ def _flash_kernel(table_ref, sub_table_ref, steps_ref, start_ref, end_ref, q_ref
                               kr.table_entry(sub_table_ref, b, q_sub, kr.RULE, num_q_blocks * per_q) == 1,
                               lambda lo, hi, body=body: body((lo, hi)), rule=rule, start_ref=start_ref,
                               end_ref=end_ref, bounds_ref=bounds_ref, b=b, q_block=q_sub, bounds_rows=rs)
+
+    if per_q == per_k == 1:  # the block is its one sub-tile (window and decode tiles): no second table check
+        kr.masked_regions(live & jnp.logical_not(whole), entry(kr.RULE) == 1,
+                          lambda lo, hi: fold(load(q_ref), slice(None), 0, (lo, hi)), rule=rule, start_ref=start_ref,
+                          end_ref=end_ref, bounds_ref=bounds_ref, b=b, q_block=q_block)
+    else:
+        pl.when(live & jnp.logical_not(whole))(edge)
 
     @pl.when(step == pl.num_programs(4) - 1)
     def _finish():
