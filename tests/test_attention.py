@@ -148,13 +148,18 @@ def test_forward_tiles_computed_in_key_sub_blocks():
         _check(got, want, torch.float32, f"sub-blocks causal={causal} window={window}")
 
 
+@pytest.mark.parametrize("row_sums", ["mxu", "reduced"])
 @pytest.mark.parametrize("ranges", ["rule", "random"])
-def test_forward_masked_blocks_computed_in_sub_tiles(ranges, monkeypatch):
+def test_forward_masked_blocks_computed_in_sub_tiles(ranges, row_sums, monkeypatch):
     """Masked blocks cut in sub-tiles of rows and keys (16 x 128 here: 3 x 4 per
     48 x 512 block, the rule's being 512 x 512 of 2048 x 2048), each skipped,
     unmasked or masked on its own: rule ranges with offsets, windows and
     soft-capping (ranges rebuilt from iotas), random per-query ranges (read),
-    padding rows in the last query block, a tail key block; poisoned outputs."""
+    padding rows in the last query block, a tail key block; poisoned outputs.
+    The softmax's row sums taken from the MXU (v6e, the interpreter's default
+    generation) or by a reduction (every other generation)."""
+    assert blocks.row_sums_on_mxu("v6e") and not blocks.row_sums_on_mxu("v5e")
+    monkeypatch.setattr(blocks, "ROW_SUMS_ON_MXU", frozenset({"v6e"} if row_sums == "mxu" else ()))
     assert blocks.forward_compute_blocks(2048, 2048) == (blocks.FORWARD_COMPUTE_ROWS, blocks.COMPUTE_BLOCK_K)
     assert blocks.forward_compute_blocks(512, 512) == (512, 512)  # window tiles stay whole
     assert blocks.forward_compute_blocks(8, 4096) == (8, 4096)  # decode tiles too

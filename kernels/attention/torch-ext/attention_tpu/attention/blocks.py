@@ -83,6 +83,15 @@ masked 2048 x 512 pieces. Llama-3-8B causal 8k forward: v6e 2649 -> 2458 us
 reloaded q outweigh the skipped work), tpu7x 2130 -> 1983 (1024 rows: 2011).
 Interior tiles keep all rows at once (their table check is one per tile).
 
+Row sums on the MXU (``ROW_SUMS_ON_MXU``: v6e): a tile's softmax denominators
+come from the P V product with a block of 128 ones appended to V (each row's
+sum lands lane-replicated, as the statistics are kept) instead of a
+cross-lane reduction per row. v6e's 256-wide MXU multiplies a 128-wide V at
+the cost of a 256-wide one, so the sums cost no MXU time and free the
+cross-lane unit: Llama-3-8B causal 8k forward 2458 -> 2268 us. It loses where
+the MXU work grows or the cross-lane unit was not the limit: tpu7x 1983 ->
+2178 us, v5e (128-wide MXU) 4254 -> 5661.
+
 (1.00: at the HBM-bound time; --: not measured; *: after the per-query key
 ranges, whose rule blocks skip some integer work: smaller window tiles lose
 to the fixed per-step cost even though they compute fewer masked pairs.) Decode blocks longer than
@@ -188,6 +197,8 @@ DECODE_CHUNKS = {"v5e": 1024, "v6e": 1024, "tpu7x": 2048}
 MIN_BLOCK_K = 512
 COMPUTE_BLOCK_K = 512
 FORWARD_COMPUTE_ROWS = 512
+# Generations whose forward takes a tile's row sums from the MXU (module docstring).
+ROW_SUMS_ON_MXU = frozenset({"v6e"})
 BACKWARD_BLOCK = 2048
 BACKWARD_COMPUTE_BLOCK = 1024
 
@@ -235,6 +246,12 @@ def forward_compute_blocks(block_q: int, block_k: int) -> tuple[int, int]:
     sub_k = compute_block_k(block_q, block_k)
     split_rows = sub_k < block_k and block_q > FORWARD_COMPUTE_ROWS and block_q % FORWARD_COMPUTE_ROWS == 0
     return (FORWARD_COMPUTE_ROWS if split_rows else block_q), sub_k
+
+
+def row_sums_on_mxu(generation: str | None) -> bool:
+    """Does the forward take its tiles' row sums from the P V product
+    (``softmax_tiles.online_softmax_step(sum_on_mxu=True)``) on this generation?"""
+    return tpu_generations.get_generation(generation).name in ROW_SUMS_ON_MXU
 
 
 def sub_tiles(block_q: int, block_k: int, sub_q: int, sub_k: int):

@@ -49,7 +49,7 @@ from .softmax_tiles import LOG2_E, STAT_LANES, finished_rows, online_softmax_ste
 
 def _flash_kernel(table_ref, sub_table_ref, steps_ref, start_ref, end_ref, q_ref, k_ref, v_ref, bounds_ref, o_ref,
                   lse_ref, m_ref, l_ref, acc_ref, *, block_q: int, block_k: int, sub_q: int, sub_k: int, skv: int,
-                  softcap: float, scale: float, num_q_blocks: int, rule: kr.KernelRule):
+                  softcap: float, scale: float, num_q_blocks: int, rule: kr.KernelRule, sum_on_mxu: bool):
     b, split, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     entry = functools.partial(kr.table_entry, table_ref, b, q_block, num_q_blocks=num_q_blocks)
     kv_block = kr.kv_block_of_step(entry, split, step, pl.num_programs(4))
@@ -80,7 +80,7 @@ def _flash_kernel(table_ref, sub_table_ref, steps_ref, start_ref, end_ref, q_ref
                 key_rows = first + lax.broadcasted_iota(jnp.int32, (sub_k, 1), 0)
                 v = jnp.where(key_rows < skv, v.astype(jnp.float32), 0.0).astype(v.dtype)
         online_softmax_step(s, v, m_ref.at[rows], l_ref.at[rows], acc_ref.at[rows], masked=masked_by is not None,
-                            exp=exp)
+                            exp=exp, sum_on_mxu=sum_on_mxu)
 
     # Every row sees every key of the block: all rows at once, in key sub-blocks
     # of sub_k ([block_q, sub_k] f32 temporaries instead of [block_q, block_k]).
@@ -256,7 +256,8 @@ def _grid_forward(q, k, v, key_bounds, bounds, start, end, table, sub_table, pla
     sub_q, sub_k = blocks_lib.forward_compute_blocks(block_q, block_k)
     kernel = functools.partial(_flash_kernel, block_q=block_q, block_k=block_k, sub_q=sub_q, sub_k=sub_k, skv=skv,
                                softcap=float(softcap), scale=float(scale), num_q_blocks=plan.num_q_blocks,
-                               rule=kr.KernelRule(sub_q, sq, skv, causal, window))
+                               rule=kr.KernelRule(sub_q, sq, skv, causal, window),
+                               sum_on_mxu=blocks_lib.row_sums_on_mxu(generation))
     # One split: the final output in the kernel's dtype of q; several: f32 partials to merge.
     out_dtype = kernel_dtype(q.dtype) if splits == 1 else jnp.float32
     operands = (q, k, v, key_bounds)

@@ -42,18 +42,28 @@ def tile_scores(q, k, *, softcap: float, scale: float):
     return softcap * jnp.tanh(s / softcap)
 
 
-def online_softmax_step(s, v, m_ref, l_ref, acc_ref, *, masked: bool, exp):
+def online_softmax_step(s, v, m_ref, l_ref, acc_ref, *, masked: bool, exp, sum_on_mxu: bool = False):
     """Fold one tile of scores ``s [rows, keys]`` into the running max,
     denominator and accumulator (``exp``: ``jnp.exp``, or ``jnp.exp2`` when the
     scores are in base 2). ``masked``: ``s`` may hold ``-inf`` (a row may have
-    seen no key yet), so the max is made safe before ``exp``."""
+    seen no key yet), so the max is made safe before ``exp``. ``sum_on_mxu``:
+    the rows' sums of ``p`` come from the P V product, as the products with a
+    block of ones appended to ``v`` (lane-replicated, as the statistics are
+    kept), instead of a cross-lane reduction (``blocks.row_sums_on_mxu``)."""
     m_prev = m_ref[...]  # [rows, STAT_LANES]
     m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
     shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
     p = exp(s - lanes(shift, s.shape[1]))
     alpha = exp(m_prev - shift)
-    l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
-    acc_ref[...] = lanes(alpha, acc_ref.shape[1]) * acc_ref[...] + dot_f32(p.astype(v.dtype), v, 1, 0)
+    if sum_on_mxu:
+        dv = acc_ref.shape[1]
+        ones = jnp.ones((v.shape[0], STAT_LANES), v.dtype)
+        pv = dot_f32(p.astype(v.dtype), jnp.concatenate([v, ones], axis=1), 1, 0)
+        l_ref[...] = alpha * l_ref[...] + pv[:, dv:]
+        acc_ref[...] = lanes(alpha, dv) * acc_ref[...] + pv[:, :dv]
+    else:
+        l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
+        acc_ref[...] = lanes(alpha, acc_ref.shape[1]) * acc_ref[...] + dot_f32(p.astype(v.dtype), v, 1, 0)
     m_ref[...] = m_new
 
 
