@@ -156,10 +156,12 @@ def test_forward_masked_blocks_computed_in_sub_tiles(ranges, row_sums, monkeypat
     unmasked or masked on its own: rule ranges with offsets, windows and
     soft-capping (ranges rebuilt from iotas), random per-query ranges (read),
     padding rows in the last query block, a tail key block; poisoned outputs.
-    The softmax's row sums taken from the MXU (v6e, the interpreter's default
-    generation) or by a reduction (every other generation)."""
-    assert blocks.row_sums_on_mxu("v6e") and not blocks.row_sums_on_mxu("v5e")
+    The softmax's row sums taken from the MXU (v6e at 128-wide V rows; the
+    interpreter's default generation) or by a reduction (everywhere else)."""
+    assert blocks.row_sums_on_mxu("v6e", 128) and not blocks.row_sums_on_mxu("v5e", 128)
+    assert not blocks.row_sums_on_mxu("v6e", 64)
     monkeypatch.setattr(blocks, "ROW_SUMS_ON_MXU", frozenset({"v6e"} if row_sums == "mxu" else ()))
+    monkeypatch.setattr(blocks, "ROW_SUMS_V_DIM", 16)  # this test's V rows
     assert blocks.forward_compute_blocks(2048, 2048) == (blocks.FORWARD_COMPUTE_ROWS, blocks.COMPUTE_BLOCK_K)
     assert blocks.forward_compute_blocks(512, 512) == (512, 512)  # window tiles stay whole
     assert blocks.forward_compute_blocks(8, 4096) == (8, 4096)  # decode tiles too

@@ -88,9 +88,12 @@ come from the P V product with a block of 128 ones appended to V (each row's
 sum lands lane-replicated, as the statistics are kept) instead of a
 cross-lane reduction per row. v6e's 256-wide MXU multiplies a 128-wide V at
 the cost of a 256-wide one, so the sums cost no MXU time and free the
-cross-lane unit: Llama-3-8B causal 8k forward 2458 -> 2268 us. It loses where
-the MXU work grows or the cross-lane unit was not the limit: tpu7x 1983 ->
-2178 us, v5e (128-wide MXU) 4254 -> 5661.
+cross-lane unit: Llama-3-8B causal 8k forward 2458 -> 2268 us, 32k 34539 ->
+30933, Qwen3 8k 2449 -> 2259. Only there (``ROW_SUMS_V_DIM`` = 128 on v6e):
+other widths lose (Gemma-4 global D512 4k 308 -> 338 us, sliding D256 327 ->
+359, gpt-oss D64 2237 -> 2349), as do other chips, where the MXU work grows
+or the cross-lane unit was not the limit (Llama-3-8B 8k: tpu7x 1983 -> 2178
+us, v5e with its 128-wide MXU 4254 -> 5661).
 
 (1.00: at the HBM-bound time; --: not measured; *: after the per-query key
 ranges, whose rule blocks skip some integer work: smaller window tiles lose
@@ -199,6 +202,7 @@ COMPUTE_BLOCK_K = 512
 FORWARD_COMPUTE_ROWS = 512
 # Generations whose forward takes a tile's row sums from the MXU (module docstring).
 ROW_SUMS_ON_MXU = frozenset({"v6e"})
+ROW_SUMS_V_DIM = 128
 BACKWARD_BLOCK = 2048
 BACKWARD_COMPUTE_BLOCK = 1024
 
@@ -248,10 +252,11 @@ def forward_compute_blocks(block_q: int, block_k: int) -> tuple[int, int]:
     return (FORWARD_COMPUTE_ROWS if split_rows else block_q), sub_k
 
 
-def row_sums_on_mxu(generation: str | None) -> bool:
+def row_sums_on_mxu(generation: str | None, v_dim: int) -> bool:
     """Does the forward take its tiles' row sums from the P V product
-    (``softmax_tiles.online_softmax_step(sum_on_mxu=True)``) on this generation?"""
-    return tpu_generations.get_generation(generation).name in ROW_SUMS_ON_MXU
+    (``softmax_tiles.online_softmax_step(sum_on_mxu=True)``): on a generation
+    of ``ROW_SUMS_ON_MXU`` with 128-wide V rows (module docstring)."""
+    return tpu_generations.get_generation(generation).name in ROW_SUMS_ON_MXU and v_dim == ROW_SUMS_V_DIM
 
 
 def sub_tiles(block_q: int, block_k: int, sub_q: int, sub_k: int):

@@ -257,7 +257,7 @@ def _grid_forward(q, k, v, key_bounds, bounds, start, end, table, sub_table, pla
     kernel = functools.partial(_flash_kernel, block_q=block_q, block_k=block_k, sub_q=sub_q, sub_k=sub_k, skv=skv,
                                softcap=float(softcap), scale=float(scale), num_q_blocks=plan.num_q_blocks,
                                rule=kr.KernelRule(sub_q, sq, skv, causal, window),
-                               sum_on_mxu=blocks_lib.row_sums_on_mxu(generation))
+                               sum_on_mxu=blocks_lib.row_sums_on_mxu(generation, dv))
     # One split: the final output in the kernel's dtype of q; several: f32 partials to merge.
     out_dtype = kernel_dtype(q.dtype) if splits == 1 else jnp.float32
     operands = (q, k, v, key_bounds)
