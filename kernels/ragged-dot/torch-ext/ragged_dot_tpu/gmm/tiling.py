@@ -100,6 +100,15 @@ row and output tiles differ, see "Forward tiles"):
 Figures: ``python bench/bench_tpu_estimates.py --chips v6e v5e --models
 mixtral-8x7b gpt-oss-20b qwen3-30b-a3b --tokens 512 4096 --contenders ours
 "ours fused"`` before and after (table in ``bench/results/tpu_estimates.md``).
+tpu7x: ``--chips tpu7x --models qwen3-30b-a3b gpt-oss-20b mixtral-8x7b
+--tokens 1 8 64 512 4096`` (``bench/results/tpu_estimates_tpu7x_ours_before_forward_tiles.log``
+-> ``..._ours_forward_tiles.log``), the layer in us: gpt-oss-20b 512 tokens
+673.6 -> 630.3, 4096 tokens 1698.2 -> 1621.3; Mixtral-8x7B 512 tokens 1324.6
+-> 1142.3, 4096 tokens 4390.2 -> 3953.3; Qwen3-30B-A3B two matmuls 8 / 64 /
+512 / 4096 tokens 142.2 / 375.4 / 480.4 / 989.7 -> 133.2 / 339.0 / 434.2 /
+923.1 (whole output dims), fused 512 tokens 394.7 -> 378.0
+(``pallas_fused_experts.FUSED_TM_MIN``); gpt-oss-20b and Mixtral-8x7B at 1
+to 64 tokens unchanged (same tiles).
 
 Quantized weights (``pallas_qgmm``) have their own rule, ``choose_quantized_tiling``
 (the section at the end of this module; docs/quantized_kernels.md).
