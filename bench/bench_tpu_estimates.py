@@ -362,7 +362,11 @@ def main(argv=None):
         "v5e's their starts only, so the v5e ratios flatter us most; after our forward tiles changed (512-row "
         "tiles on v5e and v6e, gmm/tiling.py), the v6e peers at gpt-oss-20b and Mixtral-8x7B 512 / 4096 tokens "
         "took our new tiles as one more start and walked one round from their best (their layer figures moved by 1.4% at most); "
-        "the v5e peers did not get them); the best peer column names its configs (tm, tk, tn) and tokamax's input buffers "
+        "the v5e peers did not get them; after tpu7x's own forward tiles (256 rows, gmm/tiling.py) the tpu7x "
+        "peers at gpt-oss-20b, Mixtral-8x7B and Qwen3-30B-A3B 512 / 4096 tokens did the same (Mixtral-8x7B 512 "
+        "tokens: megablox 1464 -> 1162 us, tokamax 1401 -> 1196; the others 0-4%; megablox's gpt-oss-20b 4096-token "
+        "figure stays at its earlier, faster in-layer configs; they cannot run our 44 MiB whole-K Mixtral-8x7B "
+        "down tiles within their scoped VMEM limit)); the best peer column names its configs (tm, tk, tn) and tokamax's input buffers "
         "(xN). Roofline: max(MXU-bound, HBM-bound: rows in, the weights of the experts that have rows, rows "
         f"out). Neither tokamax nor megablox takes fewer than 128 rows (decode).\n\n    {command_line(args)}\n\n"
         + tpu_inference_peers.table_note(args.contenders) + "\n\n".join(sections) + "\n")

@@ -87,9 +87,11 @@ def clip(config: tuple[int, ...], space) -> tuple[int, ...]:
 
 
 def neighbours(config: tuple[int, ...], space) -> list[tuple[int, ...]]:
-    """One step along one axis of the space."""
+    """One step along one axis of the space (a value off the axis, such as
+    our rule's balanced 1536-wide tile, steps to the axis values either side)."""
     out = []
     for axis, values in enumerate(space):
+        values = sorted(set(values) | {config[axis]})
         i = values.index(config[axis])
         for j in (i - 1, i + 1):
             if 0 <= j < len(values):

@@ -240,8 +240,11 @@ def test_row_tile_rule(generation):
                            (8192, 8, 512),  # 1024 rows per group: capped
                            (8, 128, 16)]:  # fewer rows than a sublane tile
         assert tiling.row_tile(m, g, 2, generation) == expected, (generation, m, g)
-        # The forward kernels' tile where they have their own caps: 512 rows, within M.
-        forward = 512 if generation in tiling.FORWARD_TILE_CAPS else expected
+        # The forward kernels' tile where they have their own caps, within M:
+        # 512 rows on v5e / v6e; on tpu7x one 256-row chunk from 64 rows per
+        # group on, else the group-size rule below 256.
+        forward = {"v5e": 512, "v6e": 512,
+                   "tpu7x": 256 if m // g >= 64 else min(expected, 256)}.get(generation, expected)
         assert tiling.row_tile(m, g, 2, generation, row_chunks=True) == min(forward, max(m, 16)), (generation, m, g)
     assert tiling.TILE_CAPS["v5e"].tm_min == tiling.TILE_CAPS["v6e"].tm_min == 128
 
@@ -249,8 +252,9 @@ def test_row_tile_rule(generation):
 @pytest.mark.parametrize("generation", ["v4", "v5e", "v6e", "tpu7x"])
 def test_forward_tiles_differ_from_weight_grad_tiles_only_where_estimated_faster(generation):
     """gpt-oss-20b's up projection at 512 tokens: the forward kernel takes
-    512-row tiles and wider output tiles on v5e and v6e (FORWARD_TILE_CAPS);
-    the weight gradient, and every kernel elsewhere, keep the group-size rule."""
+    512-row tiles and wider output tiles on v5e and v6e, 256-row tiles (64 rows
+    per group) and 2048-wide ones on tpu7x (FORWARD_TILE_CAPS); the weight
+    gradient, and every kernel elsewhere, keep the group-size rule."""
     from ragged_dot_tpu.gmm import tiling
 
     kw = dict(lhs_itemsize=2, rhs_itemsize=2, out_itemsize=4, generation=generation)
@@ -259,8 +263,8 @@ def test_forward_tiles_differ_from_weight_grad_tiles_only_where_estimated_faster
     caps = tiling.TILE_CAPS[generation]
     assert weight_grad.tm == max(64, caps.tm_min, 16)
     if generation in tiling.FORWARD_TILE_CAPS:
-        assert forward.tm == 512
+        assert forward.tm == (256 if generation == "tpu7x" else 512)
         assert forward.tn >= weight_grad.tn
-        assert tiling.working_set_bytes(forward, 2, 2, 4) <= tiling.vmem_budget(generation)
+        assert tiling.working_set_bytes(forward, 2, 2, 4) <= tiling.vmem_budget(generation, row_chunks=True)
     else:
         assert forward == weight_grad

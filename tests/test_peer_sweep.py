@@ -46,6 +46,8 @@ def test_neighbours_one_step_along_one_axis_and_clip():
     assert sorted(peer_sweep.neighbours((256, 512, 1536, 3), space)) == sorted([
         (128, 512, 1536, 3), (512, 512, 1536, 3), (256, 1024, 1536, 3), (256, 512, 768, 3),
         (256, 512, 1536, 2), (256, 512, 1536, 4)])
+    # a recorded config off the axis (our rule's balanced tile): the axis values either side
+    assert {(256, 512, 768, 3), (256, 512, 1536, 3)} <= set(peer_sweep.neighbours((256, 512, 1024, 3), space))
     assert peer_sweep.clip((1024, 700, 4096, 2), space) == (512, 512, 1536, 2)
     assert peer_sweep.clip((64, 128, 128, 2), space) == (128, 512, 768, 2)  # nothing below: the smallest
 

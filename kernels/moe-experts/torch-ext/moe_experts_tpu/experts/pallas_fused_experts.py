@@ -17,7 +17,13 @@ sublane minimum, until the working set fits. Why, from the TPU estimator
 v6e tm 128 / 256 / 512: 1394 / 1282 / 1262 us (a step pays the whole
 expert's weight push, so longer tiles win); v5e: 3281 / 3403 / 4750 us
 (four 128-wide MXUs: the rows a longer tile computes past a group's end cost
-more than the pushes it saves).
+more than the pushes it saves). tpu7x takes 256 rows (``FUSED_TM_MIN``)
+whatever the group size, where the matmuls' rule gives 128 below 64 rows per
+group: a step pays the expert's push, and 256 rows are one MXU-wide pass;
+512 rows lose, the kernel computing whole tiles without row chunks. The
+``bench_tpu_estimates`` layer, tpu7x Qwen3-30B-A3B: 64 / 512 tokens, tm 128
+-> 256: 329.6 -> 326.8 / 394.7 -> 378.0 us; 4096 tokens, tm 256 / 512:
+704.8 / 859.4 us.
 Qwen3-30B-A3B (I=768, H=2048, bf16: 9.4 MB per expert) fits; gpt-oss-20b
 (I=2880, interleaved) does not and takes the unfused path.
 Row visits and segment masking are the ones of ``pallas_gmm``.
@@ -39,6 +45,9 @@ from .gates import glu_activation
 
 
 NARROW_MXU_TM_MAX = 128
+# Row tile floor where the grouped matmul's rule is not the fused kernel's
+# best (see the module docstring): tpu7x takes 256 rows whatever the group size.
+FUSED_TM_MIN = {"tpu7x": 256}
 
 
 def working_set_bytes(tm: int, hidden: int, inter: int, itemsize: int, out_itemsize: int = 4) -> int:
@@ -63,6 +72,8 @@ def fused_row_tile(gate: str, rhs_layout: str, m: int, hidden: int, inter: int, 
     chip = tpu_generations.get_generation(generation)
     if chip.mxu == 128:
         tm = min(tm, NARROW_MXU_TM_MAX)
+    if m >= 8:  # never past M rounded up to the sublane tile
+        tm = max(tm, min(FUSED_TM_MIN.get(chip.name, 0), -(-m // min_rows) * min_rows))
     budget = chip.large_vmem_budget
     while working_set_bytes(tm, hidden, inter, itemsize) > budget:
         if tm <= min_rows:

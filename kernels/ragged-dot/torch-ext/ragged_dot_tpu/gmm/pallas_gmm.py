@@ -150,6 +150,22 @@ def _gmm_kernel(
     seg = seg_ref[v]
     is_local = (seg > 0) & (seg < num_segments - 1)
     w_contract = 1 if rhs_layout == "nk" else 0
+    start, end = seg_start_ref[seg], seg_end_ref[seg]
+    k_rem = k % tk
+
+    if tiles_k == 1 and k_rem == 0 and row_chunk == tm:
+        # One whole-K step of one chunk: the product goes straight to the
+        # store, not through the accumulator (zeroing it, adding, reloading:
+        # three more passes over an f32 [tm, tn] tile per step).
+        @pl.when(is_local)
+        def _compute():
+            store_visit_rows(out_ref, dot_f32(lhs_ref[...], rhs_ref[...], 1, w_contract), v, tile_ref, tm,
+                             start, end)
+
+        @pl.when(jnp.logical_not(is_local))
+        def _idle():
+            store_visit_rows(out_ref, jnp.zeros(out_ref.shape, jnp.float32), v, tile_ref, tm, start, end)
+        return
 
     @pl.when(k_i == 0)
     def _init():
@@ -166,8 +182,6 @@ def _gmm_kernel(
     # Only the row chunks holding rows of the visit's segment are computed:
     # a tile shared by two groups costs each about its own rows, not a whole
     # tile (the rows of skipped chunks stay zero and are masked at the store).
-    start, end = seg_start_ref[seg], seg_end_ref[seg]
-    k_rem = k % tk
     for c in range(tm // row_chunk):
         rows = slice(c * row_chunk, (c + 1) * row_chunk)
         first_row = tile_ref[v] * tm + c * row_chunk

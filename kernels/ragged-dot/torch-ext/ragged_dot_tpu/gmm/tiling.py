@@ -16,7 +16,7 @@ row and output tiles differ, see "Forward tiles"):
   128 rows per group the group-sized tile stays best (Mixtral 4096 tokens:
   512). v4 and v5p keep the sublane floor: the estimator has no calibrated
   figures for those chips. TPU7x takes v6e's caps (two 256-wide MXUs per
-  core, the same VMEM budget); its estimator constants are not calibrated.
+  core) except for its forward tiles (below).
 * Forward tiles (``row_chunks=True``: ``gmm`` and the fused experts kernel,
   on v5e and v6e, ``FORWARD_TILE_CAPS``): ``tm = 512`` whatever the group
   sizes, and output tiles up to 1024 (v5e) / 4096 (v6e) columns (the VMEM
@@ -34,10 +34,34 @@ row and output tiles differ, see "Forward tiles"):
   tokens 2215 us, Mixtral-8x7B 4096 tokens 7122: the down projection's
   whole-K tile no longer fits and K splits). The fused experts kernel takes
   the same row tile within its own VMEM rule (v6e Qwen3-30B-A3B 512 tokens
-  830 -> 806 us, 4096 tokens 1280 -> 1260). TPU7x keeps the group-size rule:
-  its smaller VMEM budget (36 MiB) and the estimates say no (gpt-oss-20b 512
-  tokens 663 -> 685 us, Mixtral-8x7B 512 tokens 1287 -> 1370, K split); the
-  weight gradient (``tgmm``, whole row tiles, no chunks) keeps it too.
+  830 -> 806 us, 4096 tokens 1280 -> 1260). The weight gradient (``tgmm``,
+  whole row tiles, no chunks) keeps the group-size rule.
+* Forward tiles on tpu7x (``FORWARD_TILE_CAPS["tpu7x"]``, ``wide_from_rows``):
+  v6e's caps lose there (gpt-oss-20b 512 tokens 663 -> 685 us, Mixtral-8x7B
+  512 tokens 1287 -> 1370: 512-row tiles split K within its VMEM). Its rule:
+  from 64 rows per group on, ``tm = 256`` (one row chunk) and output tiles up
+  to 2048; below, the group-size rule (128 to 256 rows) and 1024-wide output
+  tiles, unless the whole output dim fits 2048. Its forward tiles may fill
+  15/16 of the 48 MiB large limit (``FORWARD_VMEM_FRACTION``: 45 MiB, not
+  36): a whole K at 256 rows needs 44 MiB counted for Mixtral's down
+  projection, (256, 14336, 512), which compiles; the split K the 36 MiB
+  budget gives, (256, 7168, 512), re-reads the weights (4096 tokens 1905 us
+  against 1173). From the walk of our kernel (``bench/peer_sweep.py --chips
+  tpu7x --peers ours``, f32 out; every config in ``peer_sweep.jsonl``), old
+  rule -> new, us: gpt-oss-20b 512 tokens up (128, 2880, 1024) 440 ->
+  (256, 2880, 2048) 407, down (128, 2880, 1024) 223 -> (256, 2880, 1536) 209;
+  4096 tokens up (512, 2880, 1024) 1046 -> 991, down (512, 2880, 1024) 526 ->
+  504; Mixtral-8x7B 512 tokens up (128, 4096, 1024) 865 -> (256, 4096, 2048)
+  737, down (128, 14336, 512) 422 -> (256, 14336, 512) 367; 4096 tokens up
+  (512, 4096, 1024) 2565 -> 2463, down (512, 7168, 512) 1508 -> 1173. Why
+  not more: 512 rows tie or lose (gpt-oss-20b 4096 tokens up (512, 2880,
+  2048) 996; Mixtral-8x7B 4096 tokens up (1024, 4096, 1024) 2655) and do not
+  leave a whole K in VMEM; at 32 rows per group 256 rows lose (Qwen3-30B-A3B
+  512 tokens up (128, 2048, 1536) 274 -> (256, ...) 281, down (128, 768,
+  2048) 156 -> 181); at decode split 2048-wide tiles lose 1-2% (gpt-oss-20b
+  1 token up 41.5 -> 42.5 us, Mixtral-8x7B 130.9 -> 132.1), a whole output
+  dim wins (Qwen3-30B-A3B 64 tokens down (128, 768, 1024) 152 -> (128, 768,
+  2048) 120). The layer (``bench_tpu_estimates``) in "Figures" below.
 * ``tk`` covers the whole contraction dim when it fits (``K <= tk_max``): the
   kernel then streams each expert's weights exactly once per output column
   tile, consecutive tiles of one group reuse the weight block already in VMEM,
@@ -76,6 +100,15 @@ row and output tiles differ, see "Forward tiles"):
 Figures: ``python bench/bench_tpu_estimates.py --chips v6e v5e --models
 mixtral-8x7b gpt-oss-20b qwen3-30b-a3b --tokens 512 4096 --contenders ours
 "ours fused"`` before and after (table in ``bench/results/tpu_estimates.md``).
+tpu7x: ``--chips tpu7x --models qwen3-30b-a3b gpt-oss-20b mixtral-8x7b
+--tokens 1 8 64 512 4096`` (``bench/results/tpu_estimates_tpu7x_ours_before_forward_tiles.log``
+-> ``..._ours_forward_tiles.log``), the layer in us: gpt-oss-20b 512 tokens
+673.6 -> 630.3, 4096 tokens 1698.2 -> 1621.3; Mixtral-8x7B 512 tokens 1324.6
+-> 1142.3, 4096 tokens 4390.2 -> 3953.3; Qwen3-30B-A3B two matmuls 8 / 64 /
+512 / 4096 tokens 142.2 / 375.4 / 480.4 / 989.7 -> 133.2 / 339.0 / 434.2 /
+923.1 (whole output dims), fused 512 tokens 394.7 -> 378.0
+(``pallas_fused_experts.FUSED_TM_MIN``); gpt-oss-20b and Mixtral-8x7B at 1
+to 64 tokens unchanged (same tiles).
 
 Quantized weights (``pallas_qgmm``) have their own rule, ``choose_quantized_tiling``
 (the section at the end of this module; docs/quantized_kernels.md).
@@ -100,6 +133,16 @@ class TileCaps:
     tn_max: int
     tk_max: int
     tm_min: int = 0  # 0: the sublane tile
+    # From this average group size (rows) on, the row tile is tm_max whatever
+    # the group size and output tiles reach wide_tn_max; below it, only a
+    # whole output dim up to wide_tn_max takes one tile (0: neither; see
+    # "Forward tiles", tpu7x).
+    wide_from_rows: int = 0
+    wide_tn_max: int = 0
+
+    def tn_cap(self, rows_per_group: int, n: int) -> int:
+        wide = self.wide_tn_max and (rows_per_group >= self.wide_from_rows or n <= self.wide_tn_max)
+        return self.wide_tn_max if wide else self.tn_max
 
 
 TILE_CAPS = {
@@ -113,11 +156,18 @@ assert set(TILE_CAPS) == set(tpu_generations.GENERATIONS)
 # Row chunk of the forward kernel (0: the whole tile), see the module docstring.
 ROW_CHUNK = {"v4": 0, "v5e": 128, "v5p": 0, "v6e": 256, "tpu7x": 256}
 # The forward kernels' caps where they differ (see "Forward tiles"): whole
-# 512-row tiles, wider output tiles (the VMEM budget usually decides first).
+# 512-row tiles, wider output tiles (the VMEM budget usually decides first);
+# on tpu7x one 256-row chunk and output tiles up to 2048 from 64 rows per
+# group on, else the group-size rule's rows (128 to 256) and 1024-wide
+# output tiles unless the whole output dim fits 2048.
 FORWARD_TILE_CAPS = {
     "v5e": TileCaps(512, 1024, 16384, tm_min=512),
     "v6e": TileCaps(512, 4096, 16384, tm_min=512),
+    "tpu7x": TileCaps(256, 1024, 16384, tm_min=128, wide_from_rows=64, wide_tn_max=2048),
 }
+# The forward kernels' VMEM budget where it is not ``vmem_budget``'s: on
+# tpu7x 15/16 of its 48 MiB large limit (45 MiB, not 36), see "Forward tiles".
+FORWARD_VMEM_FRACTION = {"tpu7x": (15, 16)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,14 +196,21 @@ def tile_caps(generation: str | None, row_chunks: bool) -> TileCaps:
     return FORWARD_TILE_CAPS.get(gen, TILE_CAPS[gen]) if row_chunks else TILE_CAPS[gen]
 
 
+def rows_per_group(m: int, num_groups: int) -> int:
+    """The average group size, rounded up."""
+    return -(-max(m, 1) // max(num_groups, 1))
+
+
 def row_tile(m: int, num_groups: int, itemsize: int, generation: str | None, *, row_chunks: bool = False) -> int:
     """``tm`` of the rule: the average group size within the generation's
     bounds (the forward kernels' bounds with ``row_chunks``), as a legal row
     block."""
     caps = tile_caps(generation, row_chunks)
     sub = sublane(itemsize)
-    rows_per_group = -(-max(m, 1) // max(num_groups, 1))
-    tm = min(max(next_pow2(rows_per_group), sub, caps.tm_min), caps.tm_max)
+    rows = rows_per_group(m, num_groups)
+    tm = min(max(next_pow2(rows), sub, caps.tm_min), caps.tm_max)
+    if caps.wide_from_rows and rows >= caps.wide_from_rows:
+        tm = caps.tm_max
     # Never larger than M rounded up to the sublane tile; below one native
     # tile, the whole (tiny) M is the block, which is always legal.
     return m if m < 8 else min(tm, -(-m // sub) * sub)
@@ -165,9 +222,13 @@ def row_tile(m: int, num_groups: int, itemsize: int, generation: str | None, *, 
 TN_KEEP_K = {"v5e": 512, "v6e": 512, "tpu7x": 512}
 
 
-def vmem_budget(generation: str | None) -> int:
-    """Bytes the rule's tiles may take on ``generation``."""
+def vmem_budget(generation: str | None, row_chunks: bool = False) -> int:
+    """Bytes the rule's tiles may take on ``generation`` (the forward
+    kernels' tiles with ``row_chunks``)."""
     gen = tpu_generations.get_generation(generation)
+    if row_chunks and gen.name in FORWARD_VMEM_FRACTION:
+        num, den = FORWARD_VMEM_FRACTION[gen.name]
+        return gen.large_vmem_limit * num // den
     return gen.large_vmem_budget if gen.name in TN_KEEP_K else gen.vmem_budget
 
 
@@ -195,8 +256,8 @@ def choose_tiling(m: int, k: int, n: int, num_groups: int, *, lhs_itemsize: int,
     gen = tpu_generations.get_generation(generation)
     caps = tile_caps(gen.name, row_chunks)
     t = Tiling(row_tile(m, num_groups, min(lhs_itemsize, out_itemsize), gen.name, row_chunks=row_chunks),
-               min(k, caps.tk_max), min(n, caps.tn_max))
-    budget = vmem_budget(gen.name)
+               min(k, caps.tk_max), min(n, caps.tn_cap(rows_per_group(m, num_groups), n)))
+    budget = vmem_budget(gen.name, row_chunks)
     # A whole-K tile first: narrow the output tile down to TN_KEEP_K before
     # splitting K (a split K re-reads a group's weights on every row tile).
     keep_k = TN_KEEP_K.get(gen.name, 0)
