@@ -10,7 +10,10 @@ decode token of G heads is a G-row block, not a padded 128-row one.
 Which keys a row sees and which tiles are skipped: ``key_ranges`` (a key
 range per query, the visit table). A causal prefill does about half of the
 dense work, a windowed one ``~window / Skv`` of it, and decode against a
-static cache reads only the filled part.
+static cache reads only the filled part. Within a grid step the tile is
+computed in compute sub-tiles (``blocks.forward_compute_blocks``): an
+interior tile in key sub-blocks, a masked one sub-tile by sub-tile, each
+skipped, unmasked or masked from the sub-tiles' own visit table.
 
 Features: an arbitrary ``scale`` (applied before soft-capping), logit
 soft-capping ``cap * tanh(s / cap)``, attention sinks (one logit per query
@@ -93,14 +96,18 @@ def _flash_kernel(table_ref, sub_table_ref, steps_ref, start_ref, end_ref, q_ref
     # A masked block, sub-tile by sub-tile: each skipped where no row sees its
     # keys, unmasked where every row sees them all (the sub-tiles' visit table:
     # a causal diagonal 2048 x 2048 block computes 10 of its 16 sub-tiles, 6 unmasked).
+    def sub_tile(bounds, rows, j):
+        fold(load(q_ref.at[rows]), rows, j, bounds)
+
     def edge():
+        num_q_subs = num_q_blocks * per_q
         for i, j, rs, _ in blocks_lib.sub_tiles(block_q, block_k, sub_q, sub_k):
             q_sub, kv_sub = q_block * per_q + i, kv_block * per_k + j
-            sub_live, sub_whole = kr.tile_kinds(sub_table_ref, b, q_sub, kv_sub, num_q_blocks=num_q_blocks * per_q)
-            body = functools.partial(lambda bounds, rs, j: fold(load(q_ref.at[rs]), rs, j, bounds), rs=rs, j=j)
+            sub_live, sub_whole = kr.tile_kinds(sub_table_ref, b, q_sub, kv_sub, num_q_blocks=num_q_subs)
+            body = functools.partial(sub_tile, rows=rs, j=j)
             pl.when(sub_live & sub_whole)(lambda body=body: body(None))
             kr.masked_regions(sub_live & jnp.logical_not(sub_whole),
-                              kr.table_entry(sub_table_ref, b, q_sub, kr.RULE, num_q_blocks * per_q) == 1,
+                              kr.table_entry(sub_table_ref, b, q_sub, kr.RULE, num_q_subs) == 1,
                               lambda lo, hi, body=body: body((lo, hi)), rule=rule, start_ref=start_ref,
                               end_ref=end_ref, bounds_ref=bounds_ref, b=b, q_block=q_sub, bounds_rows=rs)
 
