@@ -737,8 +737,9 @@ def write(results, generations, cases, out_dir, command):
         "estimator charges a copy its bytes only, and RPA issues one DMA per page (256 per 4096-key block at "
         "16-token pages). Estimated with our jax 0.10.2 (tpu-inference pins 0.11.2; its modules compile "
         "unchanged, except that the hd64 kernel's `pltpu.reciprocal` is jax 0.10's `pl.reciprocal`) and the "
-        "TPU version its code reads from the device set to the target chip's. The v5e prefill rows come from "
-        "the RPA run (`attention_tpu_rpa.log`): ours and RPA only, no splash / tokamax / JAX flash there."
+        "TPU version its code reads from the device set to the target chip's. The v5e prefill rows: ours and RPA "
+        "(`attention_tpu_rpa.log`), splash's `--quick` sweep where `attention_tpu_v5e_peers.log` has it (its "
+        "2048 blocks exceed v5e's scoped VMEM); no tokamax / JAX flash there."
         f"\n\nCommand: `{command}`; tables rebuilt from the logs with `--from-logs`." + missing_note)
     sections = [("Estimated times, forward", fwd_rows),
                 ("Estimated times, forward + backward (prefill)", train_rows),
