@@ -64,6 +64,7 @@ MXFP4_BLOCK = quant_formats.FORMATS["mxfp4"].block_k  # 32 values, 16 packed byt
 # 32 rows (x 2048 columns) mxfp4 783 us, fp8 485 us; 128 rows (x 1024)
 # 609 / 447 us; 256 rows (x 512) 608 / 441 us.
 ROW_BLOCK = 128
+FP8_SLICED_MAX_TM = 128
 
 
 def _mask_cols(w, first_col, valid):
@@ -109,6 +110,40 @@ def _expand_fp8_scales(scales_ref, expanded_ref, n_i, k_i, *, tn, tk, tiles_n):
     expanded_ref[:blocks_n, :] = lax.dot_general(
         s, one_hot.astype(jnp.float32), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
         precision=lax.Precision.HIGHEST)
+
+
+def _fp8_slice_scales(scales_t_ref, n_i, *, tn):
+    """``[K/128 (padded to 8), tn]``: row j holds, at tile column c, the scale
+    of K block j and the 128-row block of output column ``n_i * tn + c``; one
+    small one-hot matmul from the expert's transposed ``[K/128, N/128]``
+    scales (exact at HIGHEST precision: each output is one scale times 1)."""
+    s = scales_t_ref[...]  # [K/128 padded to 8, N/128 padded to 128]
+    column = n_i * tn + lax.broadcasted_iota(jnp.int32, (s.shape[1], tn), 1)
+    one_hot = lax.shift_right_logical(column, 7) == lax.broadcasted_iota(jnp.int32, (s.shape[1], tn), 0)
+    return lax.dot_general(s, one_hot.astype(jnp.float32), (((1,), (0,)), ((), ())),
+                           preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+
+
+def _fp8_sliced_dot(x, values_ref, slice_scales, k_i, *, tk, k):
+    """``x @ dequantize(tile)^T`` with the block scale on the f32 partial
+    products: per 128-wide K slice, the e4m3 values go into the MXU as bf16
+    (exact: every e4m3 value is a bf16 value) and the ``[rows, tn]`` partial
+    product is multiplied by its slice's scale row, ``rows x tn`` products a
+    slice instead of ``128 x tn``."""
+    total = None
+    tail = k % tk  # the last K tile's columns inside K (0: every tile is whole)
+    for j in range(cdiv(tk, FP8_BLOCK)):
+        c0, width = j * FP8_BLOCK, min(FP8_BLOCK, tk - j * FP8_BLOCK)
+        w = values_ref[:, c0:c0 + width].astype(jnp.bfloat16)
+        if tail and c0 + width > tail:  # garbage (maybe NaN codes) past K on the last tile
+            w = _mask_cols(w.astype(jnp.float32), c0, k - k_i * tk).astype(jnp.bfloat16)
+        if x.dtype == jnp.float32:
+            w = w.astype(jnp.float32)
+        part = dot_f32(x[:, c0:c0 + width], w, 1, 1)
+        row = k_i * cdiv(tk, FP8_BLOCK) + j
+        part = part * slice_scales[pl.ds(row, 1), :]
+        total = part if total is None else total + part
+    return total
 
 
 def _dequantize_int8_or_fp8(values_ref, expanded_ref, wq_ref, *, weight_format, tn, tk, valid):
@@ -187,7 +222,7 @@ def _qgmm_kernel(
     out_ref,
     acc_ref, wq_ref, *expanded_ref,  # f32 accumulator, dequantized tile, fp8: expanded scales
     weight_format: str, tm: int, tn: int, tk: int, k: int, tiles_n: int, tiles_k: int,
-    num_segments: int, row_chunk: int, half: int,
+    num_segments: int, row_chunk: int, half: int, fp8_sliced: bool,
 ):
     n_i, v, k_i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seg = seg_ref[v]
@@ -208,7 +243,9 @@ def _qgmm_kernel(
     # Visit 0 starts a column tile (and a core's share of them under
     # megacore): the table marks it whenever it is local.
     def _dequantize():
-        if weight_format == "mxfp4":
+        if fp8_sliced:
+            expanded_ref[0][...] = _fp8_slice_scales(scales_ref, n_i, tn=tn)
+        elif weight_format == "mxfp4":
             _dequantize_mxfp4(values_ref, scales_ref, wq_ref, tn=tn, tk=tk, half=half, valid=valid)
         else:
             _expand_fp8_scales(scales_ref, expanded_ref[0], n_i, k_i, tn=tn, tk=tk, tiles_n=tiles_n)
@@ -224,6 +261,9 @@ def _qgmm_kernel(
             x = zero_past(x, 1, valid)
         # int8 goes into the dot as it is (exact in bf16; Mosaic converts it
         # on the way into the MXU): no dequantized copy in VMEM.
+        if fp8_sliced:
+            acc_ref[rows, :] += _fp8_sliced_dot(x, values_ref, expanded_ref[0], k_i, tk=tk, k=k)
+            return
         w = values_ref[...] if weight_format == "int8" else wq_ref[...]
         acc_ref[rows, :] += dot_f32(x, w, 1, 1)
 
@@ -262,12 +302,21 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
     seg, tile, num_visits, seg_starts, seg_ends, weight_group = forward_visits(
         group_sizes, group_offset, num_local, m=m, tm=tm)
     dequantize = dequantizing_visits(seg, num_local, tiles_k)
+    fp8_sliced = weight_format == "fp8" and tm <= FP8_SLICED_MAX_TM
 
     if weight_format == "mxfp4":
         lhs = quantized.split_even_odd(lhs, tk, tiles_k, half)
         values_block = (pl.Squeezed(), tn, tk // 2)
         scales_spec = pl.BlockSpec((pl.Squeezed(), tn, tk // MXFP4_BLOCK),
                                    lambda n_i, v, k_i, s, tl, a, b, g, dq: (g[v], n_i, k_i))
+    elif fp8_sliced:
+        values_block = (pl.Squeezed(), tn, tk)
+        # [E, K/128, N/128], padded to whole (8, 128) tiles: the kernel expands one row per K slice
+        scales_t = jnp.swapaxes(scales, 1, 2)
+        scales_t = jnp.pad(scales_t, ((0, 0), (0, -scales_t.shape[1] % 8), (0, -scales_t.shape[2] % 128)))
+        scales = scales_t
+        scales_spec = pl.BlockSpec((pl.Squeezed(), *scales.shape[1:]),
+                                   lambda n_i, v, k_i, s, tl, a, b, g, dq: (g[v], 0, 0))
     elif weight_format == "fp8":
         values_block = (pl.Squeezed(), tn, tk)
         blocks_n = tiles_n * cdiv(tn, FP8_BLOCK)
@@ -286,7 +335,7 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
     kernel = functools.partial(
         _qgmm_kernel, weight_format=weight_format, tm=tm, tn=tn, tk=tk, k=k, tiles_n=tiles_n,
         tiles_k=tiles_k, num_segments=num_local + 2, row_chunk=tiling_lib.row_chunk(tm, generation),
-        half=half)
+        half=half, fp8_sliced=fp8_sliced)
     fmt = quant_formats.weight_format(weight_format)
     cost = pl.CostEstimate(
         flops=2 * m * k * n, transcendentals=0,
@@ -302,8 +351,9 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
             num_scalar_prefetch=6, grid=(tiles_n, num_visits, tiles_k),
             in_specs=[lhs_spec, values_spec, scales_spec], out_specs=out_spec,
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32),
-                            pltpu.VMEM((8, 128) if weight_format == "int8" else (tn, tkw), lhs.dtype)]
-            + ([pltpu.VMEM((-(-cdiv(tn, FP8_BLOCK) // 8) * 8, tk), jnp.float32)] if weight_format == "fp8" else []),
+                            pltpu.VMEM((8, 128) if weight_format == "int8" or fp8_sliced else (tn, tkw), lhs.dtype)]
+            + ([pltpu.VMEM((scales.shape[1], tn), jnp.float32)] if fp8_sliced else
+               [pltpu.VMEM((-(-cdiv(tn, FP8_BLOCK) // 8) * 8, tk), jnp.float32)] if weight_format == "fp8" else []),
         ),
         compiler_params=compiler_params(generation, ("parallel", "arbitrary", "arbitrary"),
                                         large_vmem=large_vmem),
