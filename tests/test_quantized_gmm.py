@@ -100,7 +100,8 @@ CASES = {
     "int8": [(37, 200, 136, 4, "with_zeros", None, "low"), (64, 384, 320, 3, "random", (16, 256, 256), "low"),
              (64, 384, 320, 3, "one_huge", (16, 384, 256), "low")],
     "fp8": [(37, 200, 136, 4, "with_zeros", None, "low"), (64, 384, 320, 3, "random", (16, 256, 256), "low"),
-            (64, 384, 320, 3, "one_huge", (16, 384, 256), "low")],
+            (64, 384, 320, 3, "one_huge", (16, 384, 256), "low"),
+            (300, 384, 320, 3, "random", (256, 384, 256), "low")],  # tm > FP8_SLICED_MAX_TM: the dequantized tile
     "mxfp4": [(37, 224, 136, 4, "with_zeros", None, "low"), (40, 160, 136, 3, "random", None, "high"),
               (64, 384, 320, 3, "one_huge", (16, 384, 256), "low"),
               (24, 8192 + 64, 130, 2, "random", (16, 4096, 128), "low")],
@@ -316,14 +317,16 @@ def test_experts_program_refuses_quantized_misuse():
 def test_compiles_for_tpu_generations(fmt_name, generation):
     """Each format lowers through Mosaic on every generation, at a small
     gpt-oss-like shape (K = 2880: mxfp4's scales 90 lanes wide, K not a
-    multiple of 128) with the rule's tiles. The full model x tokens matrix
-    is bench/aot_quantized.py."""
+    multiple of 128) with the rule's tiles; fp8 also at 4096 rows (row tiles
+    past FP8_SLICED_MAX_TM: the dequantized-tile path). The full model x
+    tokens matrix is bench/aot_quantized.py."""
     pytest.importorskip("libtpu")
     from ragged_dot_tpu.common import aot
 
     fmt = quant_formats.weight_format(fmt_name)
-    m, k, n, g = 64, 2880, 384, 4
-    aot.compile_for(generation, lambda x, v, s, gs: pallas_gmm.gmm(
-        x, v, gs, rhs_scales=s, weight_format=fmt_name, generation=generation),
-        ((m, k), jnp.bfloat16), (fmt.values_shape(g, n, k), jnp.dtype(fmt.values_dtype)),
-        (fmt.scales_shape(g, n, k), jnp.dtype(fmt.scales_dtype)), ((g,), jnp.int32))
+    k, n, g = 2880, 384, 4
+    for m in (64, 4096) if fmt_name == "fp8" else (64,):
+        aot.compile_for(generation, lambda x, v, s, gs: pallas_gmm.gmm(
+            x, v, gs, rhs_scales=s, weight_format=fmt_name, generation=generation),
+            ((m, k), jnp.bfloat16), (fmt.values_shape(g, n, k), jnp.dtype(fmt.values_dtype)),
+            (fmt.scales_shape(g, n, k), jnp.dtype(fmt.scales_dtype)), ((g,), jnp.int32))
