@@ -101,7 +101,7 @@ CASES = {
              (64, 384, 320, 3, "one_huge", (16, 384, 256), "low")],
     "fp8": [(37, 200, 136, 4, "with_zeros", None, "low"), (64, 384, 320, 3, "random", (16, 256, 256), "low"),
             (64, 384, 320, 3, "one_huge", (16, 384, 256), "low"),
-            (300, 384, 320, 3, "random", (256, 384, 256), "low")],  # tm > FP8_SLICED_MAX_TM: the dequantized tile
+            (300, 384, 320, 3, "random", (256, 384, 256), "low")],  # tm > FP8_SLICED_MAX_TM: dequantized tile
     "mxfp4": [(37, 224, 136, 4, "with_zeros", None, "low"), (40, 160, 136, 3, "random", None, "high"),
               (64, 384, 320, 3, "one_huge", (16, 384, 256), "low"),
               (24, 8192 + 64, 130, 2, "random", (16, 4096, 128), "low")],

@@ -18,18 +18,24 @@ format:
   per-output-channel scale multiplies the f32 accumulator columns once, at
   the store (exact products). Estimated on v6e, Qwen3-30B-A3B 8 tokens:
   153 us, against 200 us when the kernel dequantized the tile itself.
-* fp8: e4m3 values times their 128 x 128 block scale, in f32, rounded once
-  to the lhs dtype: the same weight ``dequantize(.., dtype)`` produces. The
-  scale varies along K every 128 columns, so applying it to the f32 partial
-  products instead would split the dot into K = 128 pieces (half the MXU
-  depth of v6e, and four times the result updates); the rounding costs at
-  most 2**-9 relative per weight in bf16, the error a bf16 copy of the
-  weights has anyway. A step reads its expert's whole ``[N/128, K/128]``
-  scale block (a few KB, fetched once per expert) and expands its rows
-  along K by one small one-hot matmul (``_expand_fp8_scales``). The e4m3 ->
-  f32 conversion is then most of a step's VPU time on v5e / v6e (no fp8
-  units): estimated v6e Qwen3-30B-A3B 8 tokens 447 us, against 293 us for
-  bf16 (an integer bit decode of the e4m3 bits was slower still).
+* fp8 at decode (``FP8_SLICED_MAX_TM``, ``FP8_SLICED_MAX_ROWS_PER_GROUP``): no dequantized
+  copy. Per 128-wide K slice the e4m3 tile goes into the MXU as bf16 (an
+  exact ``astype``: every e4m3 value is a bf16 value) and the block scale
+  multiplies the f32 partial product ``[rows, tn]`` (``_fp8_sliced_dot``),
+  ``rows x tn`` products a slice instead of ``128 x tn`` weights scaled and
+  rounded. The scale rows (``[K/128, tn]``) come from the expert's
+  transposed scales by one small one-hot matmul per column tile
+  (``_fp8_slice_scales``). More exact than the tile path (no bf16 rounding of
+  value x scale). Estimated v6e Qwen3-30B-A3B 8 tokens, up projection alone:
+  290 -> 220 us; of the 220, about 120 are the K = 128 dots (an int8 tile in
+  the same slices) and 100 the e4m3 -> bf16 conversion on the VPU.
+* fp8 otherwise (prefill): e4m3 values times their 128 x 128 block
+  scale, in f32, rounded once to the lhs dtype (the weight
+  ``dequantize(.., dtype)`` produces), into a scratch tile kept across the
+  visits of a group (the slices would cost per visit and per live row). A step reads its
+  expert's whole ``[N/128, K/128]`` scale block (a few KB, fetched once per
+  expert) and expands its rows along K by one small one-hot matmul
+  (``_expand_fp8_scales``).
 * mxfp4: e2m1 codes and e8m0 exponents decoded from bits, their product is
   exact in bf16. The two nibbles of a byte are k = 2j and 2j + 1; rather than
   interleave lanes in VMEM, the wrapper reorders lhs per K tile into [even k
@@ -64,7 +70,16 @@ MXFP4_BLOCK = quant_formats.FORMATS["mxfp4"].block_k  # 32 values, 16 packed byt
 # 32 rows (x 2048 columns) mxfp4 783 us, fp8 485 us; 128 rows (x 1024)
 # 609 / 447 us; 256 rows (x 512) 608 / 441 us.
 ROW_BLOCK = 128
+# fp8 runs per 128-wide K slice with the scale on the partial products when
+# the row tile is at most FP8_SLICED_MAX_TM and the groups average at most
+# FP8_SLICED_MAX_ROWS_PER_GROUP rows (m / local groups): the slices cost per
+# visit and per live row, the dequantized tile once per group. Estimated v6e
+# (TPU estimator): Qwen3-30B-A3B 512 tokens (32 rows a group, tm 128) layer
+# 1298 -> 1187 us sliced; gpt-oss-20b 512 tokens (64 rows a group, tm 128)
+# up projection tile 1190 us, sliced 1259; Qwen3 4096 tokens (tm 256) up
+# projection tile 1201 us, sliced 1544.
 FP8_SLICED_MAX_TM = 128
+FP8_SLICED_MAX_ROWS_PER_GROUP = 32
 
 
 def _mask_cols(w, first_col, valid):
@@ -302,7 +317,8 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
     seg, tile, num_visits, seg_starts, seg_ends, weight_group = forward_visits(
         group_sizes, group_offset, num_local, m=m, tm=tm)
     dequantize = dequantizing_visits(seg, num_local, tiles_k)
-    fp8_sliced = weight_format == "fp8" and tm <= FP8_SLICED_MAX_TM
+    fp8_sliced = (weight_format == "fp8" and tm <= FP8_SLICED_MAX_TM
+                  and m <= FP8_SLICED_MAX_ROWS_PER_GROUP * num_local)
 
     if weight_format == "mxfp4":
         lhs = quantized.split_even_odd(lhs, tk, tiles_k, half)
