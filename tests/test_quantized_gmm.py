@@ -103,7 +103,7 @@ CASES = {
              (64, 384, 320, 3, "one_huge", (16, 384, 256), "low")],
     "fp8": [(37, 200, 136, 4, "with_zeros", None, "low"), (64, 384, 320, 3, "random", (16, 256, 256), "low"),
             (64, 384, 320, 3, "one_huge", (16, 384, 256), "low"),
-            (300, 384, 320, 3, "random", (256, 384, 256), "low")],  # tm > FP8_SLICED_MAX_TM: dequantized tile
+            (300, 384, 320, 3, "random", (256, 384, 256), "low")],  # tm > 128 (tiling.fp8_sliced): the dequantized tile
     "mxfp4": [(37, 224, 136, 4, "with_zeros", None, "low"), (40, 160, 136, 3, "random", None, "high"),
               (64, 384, 320, 3, "one_huge", (16, 384, 256), "low"),
               (24, 8192 + 64, 130, 2, "random", (16, 4096, 128), "low")],
@@ -320,7 +320,7 @@ def test_compiles_for_tpu_generations(fmt_name, generation):
     """Each format lowers through Mosaic on every generation, at a small
     gpt-oss-like shape (K = 2880: mxfp4's scales 90 lanes wide, K not a
     multiple of 128) with the rule's tiles; fp8 also at 4096 rows (row tiles
-    past FP8_SLICED_MAX_TM: the dequantized-tile path). The full model x
+    past 128, tiling.fp8_sliced: the dequantized-tile path). The full model x
     tokens matrix is bench/aot_quantized.py."""
     pytest.importorskip("libtpu")
     from ragged_dot_tpu.common import aot

@@ -18,7 +18,7 @@ format:
   per-output-channel scale multiplies the f32 accumulator columns once, at
   the store (exact products). Estimated on v6e, Qwen3-30B-A3B 8 tokens:
   153 us, against 200 us when the kernel dequantized the tile itself.
-* fp8 at decode (``FP8_SLICED_MAX_TM``, ``FP8_SLICED_MAX_ROWS_PER_GROUP``): no dequantized
+* fp8 at decode (``tiling.fp8_sliced``): no dequantized
   copy. Per 128-wide K slice the e4m3 tile goes into the MXU as bf16 (an
   exact ``astype``: every e4m3 value is a bf16 value) and the block scale
   multiplies the f32 partial product ``[rows, tn]`` (``_fp8_sliced_dot``),
@@ -70,19 +70,17 @@ MXFP4_BLOCK = quant_formats.FORMATS["mxfp4"].block_k  # 32 values, 16 packed byt
 # 32 rows (x 2048 columns) mxfp4 783 us, fp8 485 us; 128 rows (x 1024)
 # 609 / 447 us; 256 rows (x 512) 608 / 441 us.
 ROW_BLOCK = 128
-# fp8 runs per 128-wide K slice with the scale on the partial products when
-# the row tile is at most FP8_SLICED_MAX_TM and the groups average at most
-# FP8_SLICED_MAX_ROWS_PER_GROUP rows (m / local groups): the slices cost per
-# visit and per live row, the dequantized tile once per group. Estimated v6e
-# (TPU estimator): Qwen3-30B-A3B 512 tokens (32 rows a group, tm 128) layer
+# fp8 runs per 128-wide K slice with the scale on the partial products where
+# ``tiling.fp8_sliced`` says (row tile <= 128, groups averaging <= 32 rows):
+# the slices cost per visit and per live row, the dequantized tile once per
+# group. Estimated v6e (TPU estimator, before the e4m3 operand went into the
+# MXU directly): Qwen3-30B-A3B 512 tokens (32 rows a group, tm 128) layer
 # 1298 -> 1187 us sliced; gpt-oss-20b 512 tokens (64 rows a group, tm 128)
 # up projection tile 1190 us, sliced 1259; Qwen3 4096 tokens (tm 256) up
 # projection tile 1201 us, sliced 1544.
-FP8_SLICED_MAX_TM = 128
 # Generations whose matmul takes an e4m3 operand (libtpu AOT compiles; v4
 # refuses it: "Unsupported matmul RHS type").
 FP8_MXU_GENERATIONS = ("v5e", "v5p", "v6e", "tpu7x")
-FP8_SLICED_MAX_ROWS_PER_GROUP = 32
 
 
 def _mask_cols(w, first_col, valid):
@@ -327,8 +325,7 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
     seg, tile, num_visits, seg_starts, seg_ends, weight_group = forward_visits(
         group_sizes, group_offset, num_local, m=m, tm=tm)
     dequantize = dequantizing_visits(seg, num_local, tiles_k)
-    fp8_sliced = (weight_format == "fp8" and tm <= FP8_SLICED_MAX_TM
-                  and m <= FP8_SLICED_MAX_ROWS_PER_GROUP * num_local)
+    fp8_sliced = weight_format == "fp8" and tiling_lib.fp8_sliced(m, num_local, tm)
 
     if weight_format == "mxfp4":
         lhs = quantized.split_even_odd(lhs, tk, tiles_k, half)
@@ -362,7 +359,8 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
         _qgmm_kernel, weight_format=weight_format, tm=tm, tn=tn, tk=tk, k=k, tiles_n=tiles_n,
         tiles_k=tiles_k, num_segments=num_local + 2, row_chunk=tiling_lib.row_chunk(tm, generation),
         half=half, fp8_sliced=fp8_sliced,
-        e4m3_into_mxu=tiling_lib.tpu_generations.get_generation(generation).name in FP8_MXU_GENERATIONS)
+        # the device's own generation when none is given: on a v4 the e4m3 dot would not compile
+        e4m3_into_mxu=(generation or tiling_lib.tpu_generations.current_generation()) in FP8_MXU_GENERATIONS)
     fmt = quant_formats.weight_format(weight_format)
     cost = pl.CostEstimate(
         flops=2 * m * k * n, transcendentals=0,
