@@ -18,17 +18,17 @@ format:
   per-output-channel scale multiplies the f32 accumulator columns once, at
   the store (exact products). Estimated on v6e, Qwen3-30B-A3B 8 tokens:
   153 us, against 200 us when the kernel dequantized the tile itself.
-* fp8 at decode (``tiling.fp8_sliced``): no dequantized
-  copy. Per 128-wide K slice the e4m3 tile goes into the MXU as bf16 (an
-  exact ``astype``: every e4m3 value is a bf16 value) and the block scale
-  multiplies the f32 partial product ``[rows, tn]`` (``_fp8_sliced_dot``),
-  ``rows x tn`` products a slice instead of ``128 x tn`` weights scaled and
-  rounded. The scale rows (``[K/128, tn]``) come from the expert's
-  transposed scales by one small one-hot matmul per column tile
-  (``_fp8_slice_scales``). More exact than the tile path (no bf16 rounding of
-  value x scale). Estimated v6e Qwen3-30B-A3B 8 tokens, up projection alone:
-  290 -> 220 us; of the 220, about 120 are the K = 128 dots (an int8 tile in
-  the same slices) and 100 the e4m3 -> bf16 conversion on the VPU.
+* fp8 at decode (``tiling.fp8_sliced``): no dequantized copy. Per 128-wide
+  K slice the e4m3 tile goes into the MXU dot as it is (Mosaic pushes the
+  bytes as e4m3b11 on v5e / v5p / v6e / tpu7x, ``FP8_MXU_GENERATIONS``; v4
+  gets an exact ``astype(bf16)`` first) and the block scale multiplies the
+  f32 partial product ``[rows, tn]`` (``_fp8_sliced_dot``): ``rows x tn``
+  products a slice instead of ``128 x tn`` weights scaled and rounded. The
+  scale rows (``[K/128, tn]``) come from the expert's transposed scales by
+  one small one-hot matmul per column tile (``_fp8_slice_scales``). More
+  exact than the tile path (no bf16 rounding of value x scale). Estimated
+  v6e Qwen3-30B-A3B 8 tokens, up projection alone: 290 us (tile) -> 220
+  (slices, astype) -> 102.5 (slices, e4m3 into the MXU; HBM roofline 96).
 * fp8 otherwise (prefill): e4m3 values times their 128 x 128 block
   scale, in f32, rounded once to the lhs dtype (the weight
   ``dequantize(.., dtype)`` produces), into a scratch tile kept across the
@@ -142,8 +142,9 @@ def _fp8_slice_scales(scales_t_ref, n_i, *, tn):
 
 def _fp8_sliced_dot(x, values_ref, slice_scales, k_i, *, tk, k, e4m3_into_mxu):
     """``x @ dequantize(tile)^T`` with the block scale on the f32 partial
-    products: per 128-wide K slice, the e4m3 values go into the MXU as bf16
-    (exact: every e4m3 value is a bf16 value) and the ``[rows, tn]`` partial
+    products: per 128-wide K slice, the e4m3 values go into the MXU (as they
+    are, or as bf16 where the MXU does not take them: exact either way, every
+    e4m3 value is a bf16 value) and the ``[rows, tn]`` partial
     product is multiplied by its slice's scale row, ``rows x tn`` products a
     slice instead of ``128 x tn``."""
     total = None
