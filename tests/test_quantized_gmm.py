@@ -121,6 +121,17 @@ def test_matches_float64_dequantized(fmt_name, dtype):
         assert_matches(got, lhs, w, sizes, dtype, what=f"{fmt_name} {(m, k, n, g, kind, t)}")
 
 
+def test_fp8_decode_path_without_e4m3_matmul():
+    """v4's matmul refuses an e4m3 operand: its K slices convert to bf16 first
+    (pallas_qgmm.FP8_MXU_GENERATIONS); same result as the float64 reference."""
+    rng = np.random.default_rng(SEED)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        lhs, values, scales, sizes = inputs(rng, "fp8", 37, 200, 136, 4, "with_zeros", dtype)
+        got = run_gmm(lhs, values, scales, sizes, "fp8", dtype, generation="v4")
+        assert_matches(got, lhs, reference.dequantize_weights(values, scales, "fp8"), sizes, dtype,
+                       what=f"fp8 v4 {jnp.dtype(dtype).name}")
+
+
 @pytest.mark.parametrize("fmt_name", FORMATS)
 def test_dequantize_is_exact(fmt_name):
     """The XLA dequantize (the kernel's decoders) equals the float64 one
