@@ -12,7 +12,9 @@ Measured error (the largest of |got - want| / (max|w| of the output column
 * max|lhs| * sqrt(K)), 3 seeds x the first two CASES of each format):
 f32 int8 3e-7, fp8 8e-8, mxfp4 6e-8 (f32 accumulation only); bf16 (lhs and
 output bf16) int8 1.7e-3, fp8 6.7e-4, mxfp4 7.1e-4 (the bf16 rounding of the
-output; the weights are exact in bf16 but for fp8's value * scale).
+output; the weights are exact in bf16 but for fp8's value * scale). fp8's
+decode path (K slices, the scale on f32 partial products: every case but the
+300-row one) measures f32 5e-8, bf16 4.8e-4.
 Tolerances: 1e-5 (f32) and 1e-2 (bf16).
 """
 
@@ -100,7 +102,8 @@ CASES = {
     "int8": [(37, 200, 136, 4, "with_zeros", None, "low"), (64, 384, 320, 3, "random", (16, 256, 256), "low"),
              (64, 384, 320, 3, "one_huge", (16, 384, 256), "low")],
     "fp8": [(37, 200, 136, 4, "with_zeros", None, "low"), (64, 384, 320, 3, "random", (16, 256, 256), "low"),
-            (64, 384, 320, 3, "one_huge", (16, 384, 256), "low")],
+            (64, 384, 320, 3, "one_huge", (16, 384, 256), "low"),
+            (300, 384, 320, 3, "random", (256, 384, 256), "low")],  # tm > 128 (tiling.fp8_sliced): the dequantized tile
     "mxfp4": [(37, 224, 136, 4, "with_zeros", None, "low"), (40, 160, 136, 3, "random", None, "high"),
               (64, 384, 320, 3, "one_huge", (16, 384, 256), "low"),
               (24, 8192 + 64, 130, 2, "random", (16, 4096, 128), "low")],
@@ -116,6 +119,17 @@ def test_matches_float64_dequantized(fmt_name, dtype):
         got = run_gmm(lhs, values, scales, sizes, fmt_name, dtype, tiling=t)
         w = reference.dequantize_weights(values, scales, fmt_name)
         assert_matches(got, lhs, w, sizes, dtype, what=f"{fmt_name} {(m, k, n, g, kind, t)}")
+
+
+def test_fp8_decode_path_without_e4m3_matmul():
+    """v4's matmul refuses an e4m3 operand: its K slices convert to bf16 first
+    (pallas_qgmm.FP8_MXU_GENERATIONS); same result as the float64 reference."""
+    rng = np.random.default_rng(SEED)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        lhs, values, scales, sizes = inputs(rng, "fp8", 37, 200, 136, 4, "with_zeros", dtype)
+        got = run_gmm(lhs, values, scales, sizes, "fp8", dtype, generation="v4")
+        assert_matches(got, lhs, reference.dequantize_weights(values, scales, "fp8"), sizes, dtype,
+                       what=f"fp8 v4 {jnp.dtype(dtype).name}")
 
 
 @pytest.mark.parametrize("fmt_name", FORMATS)
@@ -316,14 +330,16 @@ def test_experts_program_refuses_quantized_misuse():
 def test_compiles_for_tpu_generations(fmt_name, generation):
     """Each format lowers through Mosaic on every generation, at a small
     gpt-oss-like shape (K = 2880: mxfp4's scales 90 lanes wide, K not a
-    multiple of 128) with the rule's tiles. The full model x tokens matrix
-    is bench/aot_quantized.py."""
+    multiple of 128) with the rule's tiles; fp8 also at 4096 rows (row tiles
+    past 128, tiling.fp8_sliced: the dequantized-tile path). The full model x
+    tokens matrix is bench/aot_quantized.py."""
     pytest.importorskip("libtpu")
     from ragged_dot_tpu.common import aot
 
     fmt = quant_formats.weight_format(fmt_name)
-    m, k, n, g = 64, 2880, 384, 4
-    aot.compile_for(generation, lambda x, v, s, gs: pallas_gmm.gmm(
-        x, v, gs, rhs_scales=s, weight_format=fmt_name, generation=generation),
-        ((m, k), jnp.bfloat16), (fmt.values_shape(g, n, k), jnp.dtype(fmt.values_dtype)),
-        (fmt.scales_shape(g, n, k), jnp.dtype(fmt.scales_dtype)), ((g,), jnp.int32))
+    k, n, g = 2880, 384, 4
+    for m in (64, 4096) if fmt_name == "fp8" else (64,):
+        aot.compile_for(generation, lambda x, v, s, gs: pallas_gmm.gmm(
+            x, v, gs, rhs_scales=s, weight_format=fmt_name, generation=generation),
+            ((m, k), jnp.bfloat16), (fmt.values_shape(g, n, k), jnp.dtype(fmt.values_dtype)),
+            (fmt.scales_shape(g, n, k), jnp.dtype(fmt.scales_dtype)), ((g,), jnp.int32))

@@ -18,18 +18,24 @@ format:
   per-output-channel scale multiplies the f32 accumulator columns once, at
   the store (exact products). Estimated on v6e, Qwen3-30B-A3B 8 tokens:
   153 us, against 200 us when the kernel dequantized the tile itself.
-* fp8: e4m3 values times their 128 x 128 block scale, in f32, rounded once
-  to the lhs dtype: the same weight ``dequantize(.., dtype)`` produces. The
-  scale varies along K every 128 columns, so applying it to the f32 partial
-  products instead would split the dot into K = 128 pieces (half the MXU
-  depth of v6e, and four times the result updates); the rounding costs at
-  most 2**-9 relative per weight in bf16, the error a bf16 copy of the
-  weights has anyway. A step reads its expert's whole ``[N/128, K/128]``
-  scale block (a few KB, fetched once per expert) and expands its rows
-  along K by one small one-hot matmul (``_expand_fp8_scales``). The e4m3 ->
-  f32 conversion is then most of a step's VPU time on v5e / v6e (no fp8
-  units): estimated v6e Qwen3-30B-A3B 8 tokens 447 us, against 293 us for
-  bf16 (an integer bit decode of the e4m3 bits was slower still).
+* fp8 at decode (``tiling.fp8_sliced``): no dequantized copy. Per 128-wide
+  K slice the e4m3 tile goes into the MXU dot as it is (Mosaic pushes the
+  bytes as e4m3b11 on v5e / v5p / v6e / tpu7x, ``FP8_MXU_GENERATIONS``; v4
+  gets an exact ``astype(bf16)`` first) and the block scale multiplies the
+  f32 partial product ``[rows, tn]`` (``_fp8_sliced_dot``): ``rows x tn``
+  products a slice instead of ``128 x tn`` weights scaled and rounded. The
+  scale rows (``[K/128, tn]``) come from the expert's transposed scales by
+  one small one-hot matmul per column tile (``_fp8_slice_scales``). More
+  exact than the tile path (no bf16 rounding of value x scale). Estimated
+  v6e Qwen3-30B-A3B 8 tokens, up projection alone: 290 us (tile) -> 220
+  (slices, astype) -> 102.5 (slices, e4m3 into the MXU; HBM roofline 96).
+* fp8 otherwise (prefill): e4m3 values times their 128 x 128 block
+  scale, in f32, rounded once to the lhs dtype (the weight
+  ``dequantize(.., dtype)`` produces), into a scratch tile kept across the
+  visits of a group (the slices would cost per visit and per live row). A step reads its
+  expert's whole ``[N/128, K/128]`` scale block (a few KB, fetched once per
+  expert) and expands its rows along K by one small one-hot matmul
+  (``_expand_fp8_scales``).
 * mxfp4: e2m1 codes and e8m0 exponents decoded from bits, their product is
   exact in bf16. The two nibbles of a byte are k = 2j and 2j + 1; rather than
   interleave lanes in VMEM, the wrapper reorders lhs per K tile into [even k
@@ -64,6 +70,17 @@ MXFP4_BLOCK = quant_formats.FORMATS["mxfp4"].block_k  # 32 values, 16 packed byt
 # 32 rows (x 2048 columns) mxfp4 783 us, fp8 485 us; 128 rows (x 1024)
 # 609 / 447 us; 256 rows (x 512) 608 / 441 us.
 ROW_BLOCK = 128
+# fp8 runs per 128-wide K slice with the scale on the partial products where
+# ``tiling.fp8_sliced`` says (row tile <= 128, groups averaging <= 32 rows):
+# the slices cost per visit and per live row, the dequantized tile once per
+# group. Estimated v6e (TPU estimator, before the e4m3 operand went into the
+# MXU directly): Qwen3-30B-A3B 512 tokens (32 rows a group, tm 128) layer
+# 1298 -> 1187 us sliced; gpt-oss-20b 512 tokens (64 rows a group, tm 128)
+# up projection tile 1190 us, sliced 1259; Qwen3 4096 tokens (tm 256) up
+# projection tile 1201 us, sliced 1544.
+# Generations whose matmul takes an e4m3 operand (libtpu AOT compiles; v4
+# refuses it: "Unsupported matmul RHS type").
+FP8_MXU_GENERATIONS = ("v5e", "v5p", "v6e", "tpu7x")
 
 
 def _mask_cols(w, first_col, valid):
@@ -109,6 +126,47 @@ def _expand_fp8_scales(scales_ref, expanded_ref, n_i, k_i, *, tn, tk, tiles_n):
     expanded_ref[:blocks_n, :] = lax.dot_general(
         s, one_hot.astype(jnp.float32), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
         precision=lax.Precision.HIGHEST)
+
+
+def _fp8_slice_scales(scales_t_ref, n_i, *, tn):
+    """``[K/128 (padded to 8), tn]``: row j holds, at tile column c, the scale
+    of K block j and the 128-row block of output column ``n_i * tn + c``; one
+    small one-hot matmul from the expert's transposed ``[K/128, N/128]``
+    scales (exact at HIGHEST precision: each output is one scale times 1)."""
+    s = scales_t_ref[...]  # [K/128 padded to 8, N/128 padded to 128]
+    column = n_i * tn + lax.broadcasted_iota(jnp.int32, (s.shape[1], tn), 1)
+    one_hot = lax.shift_right_logical(column, 7) == lax.broadcasted_iota(jnp.int32, (s.shape[1], tn), 0)
+    return lax.dot_general(s, one_hot.astype(jnp.float32), (((1,), (0,)), ((), ())),
+                           preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+
+
+def _fp8_sliced_dot(x, values_ref, slice_scales, k_i, *, tk, k, e4m3_into_mxu):
+    """``x @ dequantize(tile)^T`` with the block scale on the f32 partial
+    products: per 128-wide K slice, the e4m3 values go into the MXU (as they
+    are, or as bf16 where the MXU does not take them: exact either way, every
+    e4m3 value is a bf16 value) and the ``[rows, tn]`` partial
+    product is multiplied by its slice's scale row, ``rows x tn`` products a
+    slice instead of ``128 x tn``."""
+    total = None
+    tail = k % tk  # the last K tile's columns inside K (0: every tile is whole)
+    for j in range(cdiv(tk, FP8_BLOCK)):
+        c0, width = j * FP8_BLOCK, min(FP8_BLOCK, tk - j * FP8_BLOCK)
+        # e4m3 straight into the dot where the MXU takes it (FP8_MXU_GENERATIONS):
+        # Mosaic pushes the bits to the MXU as e4m3b11 (-0 fixed, the result
+        # times 2**4), decoded there; astype(bf16) costs ~0.9 VPU cycles per
+        # 1000 weights (v6e).
+        w = values_ref[:, c0:c0 + width]
+        if not e4m3_into_mxu:
+            w = w.astype(jnp.bfloat16)
+        if tail and c0 + width > tail:  # garbage (maybe NaN codes) past K on the last tile
+            w = _mask_cols(w.astype(jnp.float32), c0, k - k_i * tk).astype(jnp.bfloat16)
+        if x.dtype == jnp.float32:
+            w = w.astype(jnp.float32)
+        part = dot_f32(x[:, c0:c0 + width], w, 1, 1)
+        row = k_i * cdiv(tk, FP8_BLOCK) + j
+        part = part * slice_scales[pl.ds(row, 1), :]
+        total = part if total is None else total + part
+    return total
 
 
 def _dequantize_int8_or_fp8(values_ref, expanded_ref, wq_ref, *, weight_format, tn, tk, valid):
@@ -187,7 +245,7 @@ def _qgmm_kernel(
     out_ref,
     acc_ref, wq_ref, *expanded_ref,  # f32 accumulator, dequantized tile, fp8: expanded scales
     weight_format: str, tm: int, tn: int, tk: int, k: int, tiles_n: int, tiles_k: int,
-    num_segments: int, row_chunk: int, half: int,
+    num_segments: int, row_chunk: int, half: int, fp8_sliced: bool, e4m3_into_mxu: bool,
 ):
     n_i, v, k_i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seg = seg_ref[v]
@@ -208,7 +266,9 @@ def _qgmm_kernel(
     # Visit 0 starts a column tile (and a core's share of them under
     # megacore): the table marks it whenever it is local.
     def _dequantize():
-        if weight_format == "mxfp4":
+        if fp8_sliced:
+            expanded_ref[0][...] = _fp8_slice_scales(scales_ref, n_i, tn=tn)
+        elif weight_format == "mxfp4":
             _dequantize_mxfp4(values_ref, scales_ref, wq_ref, tn=tn, tk=tk, half=half, valid=valid)
         else:
             _expand_fp8_scales(scales_ref, expanded_ref[0], n_i, k_i, tn=tn, tk=tk, tiles_n=tiles_n)
@@ -224,6 +284,10 @@ def _qgmm_kernel(
             x = zero_past(x, 1, valid)
         # int8 goes into the dot as it is (exact in bf16; Mosaic converts it
         # on the way into the MXU): no dequantized copy in VMEM.
+        if fp8_sliced:
+            acc_ref[rows, :] += _fp8_sliced_dot(x, values_ref, expanded_ref[0], k_i, tk=tk, k=k,
+                                                  e4m3_into_mxu=e4m3_into_mxu)
+            return
         w = values_ref[...] if weight_format == "int8" else wq_ref[...]
         acc_ref[rows, :] += dot_f32(x, w, 1, 1)
 
@@ -262,12 +326,21 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
     seg, tile, num_visits, seg_starts, seg_ends, weight_group = forward_visits(
         group_sizes, group_offset, num_local, m=m, tm=tm)
     dequantize = dequantizing_visits(seg, num_local, tiles_k)
+    fp8_sliced = weight_format == "fp8" and tiling_lib.fp8_sliced(m, num_local, tm)
 
     if weight_format == "mxfp4":
         lhs = quantized.split_even_odd(lhs, tk, tiles_k, half)
         values_block = (pl.Squeezed(), tn, tk // 2)
         scales_spec = pl.BlockSpec((pl.Squeezed(), tn, tk // MXFP4_BLOCK),
                                    lambda n_i, v, k_i, s, tl, a, b, g, dq: (g[v], n_i, k_i))
+    elif fp8_sliced:
+        values_block = (pl.Squeezed(), tn, tk)
+        # [E, K/128, N/128], padded to whole (8, 128) tiles: the kernel expands one row per K slice
+        scales_t = jnp.swapaxes(scales, 1, 2)
+        scales_t = jnp.pad(scales_t, ((0, 0), (0, -scales_t.shape[1] % 8), (0, -scales_t.shape[2] % 128)))
+        scales = scales_t
+        scales_spec = pl.BlockSpec((pl.Squeezed(), *scales.shape[1:]),
+                                   lambda n_i, v, k_i, s, tl, a, b, g, dq: (g[v], 0, 0))
     elif weight_format == "fp8":
         values_block = (pl.Squeezed(), tn, tk)
         blocks_n = tiles_n * cdiv(tn, FP8_BLOCK)
@@ -286,7 +359,9 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
     kernel = functools.partial(
         _qgmm_kernel, weight_format=weight_format, tm=tm, tn=tn, tk=tk, k=k, tiles_n=tiles_n,
         tiles_k=tiles_k, num_segments=num_local + 2, row_chunk=tiling_lib.row_chunk(tm, generation),
-        half=half)
+        half=half, fp8_sliced=fp8_sliced,
+        # the device's own generation when none is given: on a v4 the e4m3 dot would not compile
+        e4m3_into_mxu=(generation or tiling_lib.tpu_generations.current_generation()) in FP8_MXU_GENERATIONS)
     fmt = quant_formats.weight_format(weight_format)
     cost = pl.CostEstimate(
         flops=2 * m * k * n, transcendentals=0,
@@ -302,8 +377,9 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
             num_scalar_prefetch=6, grid=(tiles_n, num_visits, tiles_k),
             in_specs=[lhs_spec, values_spec, scales_spec], out_specs=out_spec,
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32),
-                            pltpu.VMEM((8, 128) if weight_format == "int8" else (tn, tkw), lhs.dtype)]
-            + ([pltpu.VMEM((-(-cdiv(tn, FP8_BLOCK) // 8) * 8, tk), jnp.float32)] if weight_format == "fp8" else []),
+                            pltpu.VMEM((8, 128) if weight_format == "int8" or fp8_sliced else (tn, tkw), lhs.dtype)]
+            + ([pltpu.VMEM((scales.shape[1], tn), jnp.float32)] if fp8_sliced else
+               [pltpu.VMEM((-(-cdiv(tn, FP8_BLOCK) // 8) * 8, tk), jnp.float32)] if weight_format == "fp8" else []),
         ),
         compiler_params=compiler_params(generation, ("parallel", "arbitrary", "arbitrary"),
                                         large_vmem=large_vmem),

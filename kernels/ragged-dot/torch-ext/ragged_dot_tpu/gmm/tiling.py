@@ -306,6 +306,26 @@ QUANT_TK_ALIGN = {"int8": 128, "fp8": 128, "mxfp4": 4096}
 # tiles (TPU estimator, v6e, Qwen3-30B-A3B 8 tokens, int8, tm 16: up / down
 # tiles 768 / 1024 wide 163 us, 1536 / 2048 wide 153 us, roofline 145 us).
 QUANT_TN_MAX = {"v5e": 4096, "v6e": 4096, "tpu7x": 4096}
+# fp8 at decode (groups averaging at most FP8_SLICED_ROWS_PER_GROUP rows, m /
+# groups) runs per 128-wide K slice with the block scale on the partial
+# products (pallas_qgmm), whose cost grows with the rows of a visit: with
+# groups averaging at most FP8_DECODE_TM_ROWS_PER_GROUP rows its row tile is
+# at most FP8_DECODE_TM. TPU estimator, v6e: up projection at 64 tokens,
+# Qwen3-30B-A3B (4 rows a group) tm 128 / 32 / 16: 308 / 264 / 279 us;
+# gpt-oss-20b (8 rows) tm 128 / 32: 449 / 402 us; layer, tm 128 -> 32: Qwen3
+# 64 tokens 503 -> 399 us, DeepSeek-V3 64 tokens (2 rows) 6971 -> 6176, but
+# Mixtral 64 tokens (16 rows) 1065 -> 1112 and Qwen3 512 tokens (32 rows)
+# 641 -> 690: no cap there.
+FP8_SLICED_ROWS_PER_GROUP = 32
+FP8_DECODE_TM_ROWS_PER_GROUP = 8
+FP8_DECODE_TM = 32
+
+
+def fp8_sliced(m: int, num_groups: int, tm: int) -> bool:
+    """Whether the fp8 kernel takes its K-sliced decode path (pallas_qgmm)."""
+    return tm <= 128 and m <= FP8_SLICED_ROWS_PER_GROUP * max(num_groups, 1)
+
+
 # Columns the quantized kernel dequantizes at a time, per 32-row block (its
 # f32 temporaries).
 QUANT_CHUNK = 1024
@@ -359,7 +379,11 @@ def choose_quantized_tiling(weight_format: str, m: int, k: int, n: int, num_grou
     while not fits(t) and t.tm > 16:  # v4's 12 MiB with mxfp4's 4096-wide K tiles
         t = Tiling(t.tm // 2, t.tk, t.tn)
     tk = k if t.tk >= k else balanced_tile(k, t.tk, align)
-    return Tiling(t.tm, tk, balanced_tile(n, t.tn, gen.mxu if t.tn >= gen.mxu else 128))
+    tm = t.tm
+    if (weight_format == "fp8" and fp8_sliced(m, num_groups, tm)
+            and m <= FP8_DECODE_TM_ROWS_PER_GROUP * max(num_groups, 1)):
+        tm = min(tm, FP8_DECODE_TM)
+    return Tiling(tm, tk, balanced_tile(n, t.tn, gen.mxu if t.tn >= gen.mxu else 128))
 
 
 def validate_quantized_tiling(weight_format: str, t: Tiling, m: int, k: int, n: int) -> None:
