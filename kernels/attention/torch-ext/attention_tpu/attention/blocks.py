@@ -80,8 +80,9 @@ masked on its own from the sub-tiles' visit table: a causal diagonal 2048 x
 2048 tile computes 10 of its 16 sub-tiles, 4 of them masked, instead of 4
 masked 2048 x 512 pieces. Llama-3-8B causal 8k forward: v6e 2649 -> 2458 us
 (1024-row sub-tiles 2500, 256-row 2938: the per-sub-tile set-up and the
-reloaded q outweigh the skipped work), tpu7x 2130 -> 1983 (1024 rows: 2011).
-Interior tiles keep all rows at once (their table check is one per tile).
+reloaded q outweigh the skipped work), tpu7x 2130 -> 1983 (1024 rows: 2011),
+v5e 5484 -> 4254; Gemma-4 global D512 4k v6e 369 -> 308. Interior tiles keep
+all rows at once (their table check is one per tile).
 
 Row sums on the MXU (``ROW_SUMS_ON_MXU``: v6e): a tile's softmax denominators
 come from the P V product with a block of 128 ones appended to V (each row's
@@ -91,9 +92,9 @@ the cost of a 256-wide one, so the sums cost no MXU time and free the
 cross-lane unit: Llama-3-8B causal 8k forward 2458 -> 2268 us, 32k 34539 ->
 30933, Qwen3 8k 2449 -> 2259. Only there (``ROW_SUMS_V_DIM`` = 128 on v6e):
 other widths lose (Gemma-4 global D512 4k 308 -> 338 us, sliding D256 327 ->
-359, gpt-oss D64 2237 -> 2349), as do other chips, where the MXU work grows
-or the cross-lane unit was not the limit (Llama-3-8B 8k: tpu7x 1983 -> 2178
-us, v5e with its 128-wide MXU 4254 -> 5661).
+359, gpt-oss D64 2237 -> 2349), as do the other chips (Llama-3-8B 8k: tpu7x
+1983 -> 2178 us; v5e, whose 128-wide MXU does twice the P V work, 4254 ->
+5661).
 
 (1.00: at the HBM-bound time; --: not measured; *: after the per-query key
 ranges, whose rule blocks skip some integer work: smaller window tiles lose
