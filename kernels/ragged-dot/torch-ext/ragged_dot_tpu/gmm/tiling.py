@@ -323,7 +323,7 @@ FP8_DECODE_TM = 32
 
 def fp8_sliced(m: int, num_groups: int, tm: int) -> bool:
     """Whether the fp8 kernel takes its K-sliced decode path (pallas_qgmm)."""
-    return tm <= 128 and m <= FP8_SLICED_ROWS_PER_GROUP * max(num_groups, 1)
+    return tm <= 128 and rows_per_group(m, num_groups) <= FP8_SLICED_ROWS_PER_GROUP
 
 
 # Columns the quantized kernel dequantizes at a time, per 32-row block (its
@@ -381,7 +381,7 @@ def choose_quantized_tiling(weight_format: str, m: int, k: int, n: int, num_grou
     tk = k if t.tk >= k else balanced_tile(k, t.tk, align)
     tm = t.tm
     if (weight_format == "fp8" and fp8_sliced(m, num_groups, tm)
-            and m <= FP8_DECODE_TM_ROWS_PER_GROUP * max(num_groups, 1)):
+            and rows_per_group(m, num_groups) <= FP8_DECODE_TM_ROWS_PER_GROUP):
         tm = min(tm, FP8_DECODE_TM)
     return Tiling(tm, tk, balanced_tile(n, t.tn, gen.mxu if t.tn >= gen.mxu else 128))
 
