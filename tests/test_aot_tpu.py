@@ -237,3 +237,45 @@ def test_device_kinds_name_their_generation_and_vmem_limits_fit_it():
                                   compiler_params=pallas_helpers.compiler_params(name, (), large_vmem=True))(x)
 
         aot.compile_for(name, fn, ((8, 1024), jnp.float32))
+
+
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_gated_up_projection_compiles(generation, record_property):
+    """gmm(glu=) at Mixtral-8x7B 4096 tokens: whole-K tiles of both halves, the
+    largest working set its rule gives, within each generation's VMEM limit."""
+    from moe_experts_tpu.experts.gates import kernel_gate
+
+    m, k, i, g = 4096 * MIXTRAL["top_k"], MIXTRAL["hidden"], MIXTRAL["inter"], MIXTRAL["experts"]
+    glu = kernel_gate("glu_silu", 0.0, 0.0)
+    aot.compile_for(generation, lambda x, w, s: pallas_gmm.gmm(x, w, s, rhs_layout="nk", out_dtype=jnp.bfloat16,
+                                                                generation=generation, glu=glu),
+                    ((m, k), jnp.bfloat16), ((g, 2 * i, k), jnp.bfloat16), ((g,), jnp.int32))
+
+
+IN_KERNEL_GATES = ["glu_gelu_tanh", "glu_relu", "glu_relu2", "preclamp_glu_silu", "postclamp_glu_silu",
+                   "softcap_swiglu", "gpt_oss_concat"]
+
+
+@pytest.mark.parametrize("gate", IN_KERNEL_GATES)
+def test_every_in_kernel_gate_compiles(gate):
+    """Each gate ``kernel_gate`` puts in a kernel lowers in Mosaic (v6e)."""
+    from moe_experts_tpu.experts.gates import kernel_gate
+
+    glu = kernel_gate(gate, 1.702, 7.0)
+    assert glu is not None
+    aot.compile_for("v6e", lambda x, w, s: pallas_gmm.gmm(x, w, s, rhs_layout="nk", out_dtype=jnp.bfloat16,
+                                                           generation="v6e", glu=glu),
+                    ((512, 2048), jnp.bfloat16), ((8, 1536, 2048), jnp.bfloat16), ((8,), jnp.int32))
+
+
+def test_exact_gelu_gate_stays_out_of_the_kernels():
+    """Mosaic has no erf: the exact-GELU GLU runs in XLA between two plain
+    grouped matmuls (neither the fused kernel nor the gated one), and compiles."""
+    from moe_experts_tpu.experts import gates, program
+
+    assert gates.kernel_gate("glu_gelu", 0.0, 0.0) is None and gates.kernel_gate("glu_silu", 0.0, 0.0)
+    inputs = _experts_inputs(64, QWEN)
+    spec = aot.abstract_input("v6e")
+    abstract = [spec(*shape_dtype) for shape_dtype in inputs]
+    assert program.fused_kernel_row_tile(512, abstract[3], abstract[4], None, None, "glu_gelu", "nk", "v6e") is None
+    aot.compile_for("v6e", lambda *a: program.experts_forward(*a, gate="glu_gelu", generation="v6e"), *inputs)

@@ -150,6 +150,46 @@ def test_forward_row_chunks(layout, kind, generation, tm, chunk):
     _assert_close(out, want, jnp.float32, k, f"gmm row chunks sizes={sizes.tolist()}")
 
 
+# float64 references of gates the gated up projection applies (gates.py),
+# at alpha 1.5 and limit 4 for the one that takes them.
+GLU_REFERENCES = {
+    "glu_silu": lambda g, u: g / (1 + np.exp(-g)) * u,
+    "softcap_swiglu": lambda g, u: 1.5 * np.tanh(g / 1.5) / (1 + np.exp(-g)) * (4.0 * np.tanh(u / 4.0)),
+}
+
+
+@pytest.mark.parametrize("gate", sorted(GLU_REFERENCES))
+@pytest.mark.parametrize("kind", ["random", "with_zeros", "one_huge", "sum_below_m", "all_empty"])
+def test_forward_gated_up_projection(gate, kind):
+    """gmm(glu=): the gate applied at the store to the products of both halves
+    of [G, 2I, K], against float64, with a local group window (rows of other
+    groups and past the sizes must be zeros): the rule's tiles, small tiles
+    with K and I tails, and 512-row tiles of 256-row chunks (v6e)."""
+    from moe_experts_tpu.experts.gates import halves_gate
+
+    rng = np.random.default_rng([SEED, 13, KINDS.index(kind), gate == "glu_silu"])
+    m, k, i = int(rng.integers(520, 700)), int(rng.integers(1, 300)), 16 * int(rng.integers(1, 20))
+    lhs, rhs, sizes = _inputs(rng, m, k, 2 * i, 6, kind, "nk", jnp.float32, 5, 1)
+    h = reference.ragged_dot(lhs, rhs, sizes, "nk", group_offset=1)  # zero rows outside the window
+    want = GLU_REFERENCES[gate](h[:, :i], h[:, i:])
+    norm = max(1.0, float(np.abs(want).max()))
+    for tiling, generation in ((None, None), ((8, 128, 128), None), ((512, 128, 128), "v6e")):
+        out = _gmm(lhs, rhs, sizes, "nk", jnp.float32, group_offset=1, glu=halves_gate(gate, 1.5, 4.0),
+                   tiling=tiling, generation=generation)
+        assert out.shape == (m, i)
+        _assert_close(np.asarray(out) / norm, want / norm, jnp.float32, 1,
+                      f"gated gmm {gate} m={m} k={k} i={i} sizes={sizes.tolist()} tiling={tiling}")
+
+
+def test_gated_up_projection_refuses_weights_it_cannot_split():
+    glu = lambda g, u: g * u  # noqa: E731
+    x, sizes = jnp.ones((8, 128)), jnp.array([8], jnp.int32)
+    with pytest.raises(ValueError, match="glu: .*\"nk\""):
+        pallas_gmm.gmm(x, jnp.ones((1, 128, 64)), sizes, rhs_layout="kn", glu=glu)
+    with pytest.raises(ValueError, match="glu: rhs's out dim must be two halves"):
+        pallas_gmm.gmm(x, jnp.ones((1, 40, 128)), sizes, rhs_layout="nk", glu=glu)
+
+
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 @pytest.mark.parametrize("offset,num_local", [(0, 2), (2, 3), (5, 1)])
 def test_forward_local_group_window(layout, offset, num_local):

@@ -56,6 +56,42 @@ def _activation_after(prefix: str, gate: str):
     return ACTIVATIONS[name]
 
 
+def halves_gate(gate: str, alpha: float, limit: float):
+    """The gate as a function ``(g, u) -> f32`` of the two halves of the up
+    projection (f32 tiles), or None for a gate not written on concatenated
+    halves (an ungated activation, gpt-oss's interleaved halves). Every such
+    gate maps ``(0, 0)`` to 0: the gated grouped matmul applies it at its
+    store (``pallas_gmm.gmm(glu=)``), where rows outside the groups are zero."""
+    if gate == "gpt_oss" or gate in ACTIVATIONS:
+        return None
+    if gate == "gpt_oss_concat":
+        return lambda g, u: _clamped_swiglu(g, u, alpha, limit)
+    if gate == "softcap_swiglu":
+        return lambda g, u: alpha * jnp.tanh(g / alpha) * jax.nn.sigmoid(g) * (limit * jnp.tanh(u / limit))
+    if gate.startswith("glu_"):
+        act = glu_activation(gate)
+        return lambda g, u: act(g) * u
+    if gate.startswith("preclamp_glu_"):
+        act = _activation_after("preclamp_glu_", gate)
+        return lambda g, u: act(jnp.minimum(g, limit)) * jnp.clip(u, -limit, limit)
+    if gate.startswith("postclamp_glu_"):
+        act = _activation_after("postclamp_glu_", gate)
+        return lambda g, u: jnp.minimum(act(g), limit) * jnp.clip(u, -limit, limit)
+    raise ValueError(f"gate: {gate!r} is not a gate of the TPU program (see gates.py)")
+
+
+def lowers_in_kernel(gate: str) -> bool:
+    """Whether Mosaic lowers the gate inside a Pallas kernel: exact GELU's erf
+    has no TPU lowering (libtpu AOT: "Unimplemented primitive in Pallas TPU
+    lowering for tc: erfc"), so a gate on it runs in XLA between the matmuls."""
+    return not gate.endswith("_gelu")
+
+
+def kernel_gate(gate: str, alpha: float, limit: float):
+    """``halves_gate`` for a gate a kernel can apply at its store, else None."""
+    return halves_gate(gate, alpha, limit) if lowers_in_kernel(gate) else None
+
+
 def apply_gate(h, gate: str, alpha: float, limit: float):
     """The gate on the up projection ``h`` (f32 out)."""
     h = h.astype(jnp.float32)
@@ -63,18 +99,7 @@ def apply_gate(h, gate: str, alpha: float, limit: float):
         return _clamped_swiglu(h[:, ::2], h[:, 1::2], alpha, limit)
     if gate in ACTIVATIONS:
         return ACTIVATIONS[gate](h)
-    g, u = jnp.split(h, 2, axis=-1)
-    if gate == "gpt_oss_concat":
-        return _clamped_swiglu(g, u, alpha, limit)
-    if gate == "softcap_swiglu":
-        return alpha * jnp.tanh(g / alpha) * jax.nn.sigmoid(g) * (limit * jnp.tanh(u / limit))
-    if gate.startswith("glu_"):
-        return glu_activation(gate)(g) * u
-    if gate.startswith("preclamp_glu_"):
-        return _activation_after("preclamp_glu_", gate)(jnp.minimum(g, limit)) * jnp.clip(u, -limit, limit)
-    if gate.startswith("postclamp_glu_"):
-        return jnp.minimum(_activation_after("postclamp_glu_", gate)(g), limit) * jnp.clip(u, -limit, limit)
-    raise ValueError(f"gate: {gate!r} is not a gate of the TPU program (see gates.py)")
+    return halves_gate(gate, alpha, limit)(*jnp.split(h, 2, axis=-1))
 
 
 # --- Which gate a module that overrides ``_apply_gate`` computes -------------

@@ -41,7 +41,7 @@ from jax.experimental.pallas import tpu as pltpu
 from ..common import pallas_helpers, tpu_generations
 from ..common.tile_math import sublane
 from ..gmm import pallas_gmm, tiling as tiling_lib
-from .gates import glu_activation
+from .gates import glu_activation, lowers_in_kernel
 
 
 NARROW_MXU_TM_MAX = 128
@@ -62,7 +62,7 @@ def working_set_bytes(tm: int, hidden: int, inter: int, itemsize: int, out_items
 def fused_row_tile(gate: str, rhs_layout: str, m: int, hidden: int, inter: int, num_experts: int,
                    itemsize: int, generation: str | None) -> int | None:
     """Rows per tile for the fused kernel, or None where it cannot be used."""
-    if not gate.startswith("glu_") or rhs_layout != "nk":
+    if not gate.startswith("glu_") or not lowers_in_kernel(gate) or rhs_layout != "nk":
         return None
     min_rows = sublane(itemsize)
     if inter % min_rows:  # gate / up halves are row blocks of gate_up

@@ -141,11 +141,11 @@ def store_visit_rows(out_ref, value, v, tile_ref, tm: int, start, end):
 
 def _gmm_kernel(
     seg_ref, tile_ref, seg_start_ref, seg_end_ref, _weight_group_ref,  # scalar prefetch (SMEM)
-    lhs_ref, rhs_ref,  # inputs (VMEM)
-    out_ref,  # output (VMEM)
-    acc_ref,  # f32 scratch
-    *, tm: int, tk: int, k: int, tiles_k: int, num_segments: int, rhs_layout: str, row_chunk: int,
+    lhs_ref, *refs,  # rhs (gated: its gate and up halves), out, then one f32 accumulator per rhs
+    tm: int, tk: int, k: int, tiles_k: int, num_segments: int, rhs_layout: str, row_chunk: int, glu=None,
 ):
+    num_rhs = 1 if glu is None else 2
+    rhs_refs, out_ref, acc_refs = refs[:num_rhs], refs[num_rhs], refs[num_rhs + 1:]
     v, k_i = pl.program_id(1), pl.program_id(2)
     seg = seg_ref[v]
     is_local = (seg > 0) & (seg < num_segments - 1)
@@ -153,14 +153,19 @@ def _gmm_kernel(
     start, end = seg_start_ref[seg], seg_end_ref[seg]
     k_rem = k % tk
 
+    def finish(products):
+        """The stored value: the product, or the gate applied to both halves' products."""
+        return products[0] if glu is None else glu(*products)
+
     if tiles_k == 1 and k_rem == 0 and row_chunk == tm:
         # One whole-K step of one chunk: the product goes straight to the
         # store, not through the accumulator (zeroing it, adding, reloading:
         # three more passes over an f32 [tm, tn] tile per step).
         @pl.when(is_local)
         def _compute():
-            store_visit_rows(out_ref, dot_f32(lhs_ref[...], rhs_ref[...], 1, w_contract), v, tile_ref, tm,
-                             start, end)
+            x = lhs_ref[...]
+            store_visit_rows(out_ref, finish([dot_f32(x, r[...], 1, w_contract) for r in rhs_refs]), v,
+                             tile_ref, tm, start, end)
 
         @pl.when(jnp.logical_not(is_local))
         def _idle():
@@ -169,15 +174,19 @@ def _gmm_kernel(
 
     @pl.when(k_i == 0)
     def _init():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
+        for acc_ref in acc_refs:
+            acc_ref[...] = jnp.zeros_like(acc_ref)
 
     def accumulate(rows: slice, mask_k_tail: bool):
-        x, w = lhs_ref[rows, :], rhs_ref[...]
+        x = lhs_ref[rows, :]
         if mask_k_tail:  # garbage past K on both sides (0 * NaN is NaN)
             valid = k - k_i * tk
             x = zero_past(x, 1, valid)
-            w = zero_past(w, w_contract, valid)
-        acc_ref[rows, :] += dot_f32(x, w, 1, w_contract)
+        for acc_ref, rhs_ref in zip(acc_refs, rhs_refs):
+            w = rhs_ref[...]
+            if mask_k_tail:
+                w = zero_past(w, w_contract, k - k_i * tk)
+            acc_ref[rows, :] += dot_f32(x, w, 1, w_contract)
 
     # Only the row chunks holding rows of the visit's segment are computed:
     # a tile shared by two groups costs each about its own rows, not a whole
@@ -194,7 +203,7 @@ def _gmm_kernel(
 
     @pl.when(k_i == tiles_k - 1)
     def _store():
-        store_visit_rows(out_ref, acc_ref[...], v, tile_ref, tm, start, end)
+        store_visit_rows(out_ref, finish([acc_ref[...] for acc_ref in acc_refs]), v, tile_ref, tm, start, end)
 
 
 def gmm(
@@ -210,13 +219,25 @@ def gmm(
     interpret=False,
     rhs_scales: jax.Array | None = None,
     weight_format: str | None = None,
+    glu=None,
 ) -> jax.Array:
     """Grouped matmul. See the module docstring; inputs are assumed valid.
 
     ``weight_format`` ("int8", "fp8", "mxfp4": ``common.quant_formats``)
     makes ``rhs`` that format's values ("nk" only) and ``rhs_scales`` its
-    scales: the kernel of ``pallas_qgmm``, whose arguments are checked."""
+    scales: the kernel of ``pallas_qgmm``, whose arguments are checked.
+
+    ``glu``: the gated up projection of an MLP. ``rhs`` is ``[G, 2I, K]``
+    ("nk": the gate's I rows, then the up's) and the output ``[M, I]`` is
+    ``glu(lhs @ gate^T, lhs @ up^T)`` (``glu`` maps two f32 tiles to one),
+    applied at the store: the f32 ``[M, 2I]`` product never reaches HBM.
+    ``glu(g, 0)`` must be 0 (the up half gates the unit), as rows outside the
+    local groups are zeros. A step reads the same column tile of both halves (``tiling``'s ``tn``
+    is the width of one half's tile)."""
     if weight_format is not None:
+        if glu is not None:
+            raise ValueError("glu: the gated up projection reads bf16 / f32 weights, not weight_format="
+                             f"{weight_format!r}")
         from . import pallas_qgmm  # imports this module: a late import
 
         return pallas_qgmm.gmm_quantized(
@@ -229,9 +250,18 @@ def gmm(
     num_local = rhs.shape[0]
     n = layouts.out_features(rhs.shape, rhs_layout)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-    if 0 in (m, k, n):  # nothing to compute; an empty contraction sums to zero
+    num_rhs = 1
+    if glu is not None:
+        check_glu_rhs(rhs.shape, rhs_layout)
+        n, num_rhs = n // 2, 2
+    if 0 in (m, k, n):  # nothing to compute; an empty contraction sums to zero (and glu(0, 0) = 0)
         return jnp.zeros((m, n), out_dtype)
-    t = _resolve_tiling(tiling, m, k, n, num_local, lhs, rhs, out_dtype, generation, row_chunks=True)
+    if glu is not None and tiling is None:
+        t = gated_tiling(tiling_lib.choose_tiling(
+            m, k, 2 * n, num_local, lhs_itemsize=lhs.dtype.itemsize, rhs_itemsize=rhs.dtype.itemsize,
+            out_itemsize=4, generation=generation, row_chunks=True), n)
+    else:
+        t = _resolve_tiling(tiling, m, k, n, num_local, lhs, rhs, out_dtype, generation, row_chunks=True)
     tm, tk, tn = t.as_tuple()
     tiles_m, tiles_k, tiles_n = cdiv(m, tm), cdiv(k, tk), cdiv(n, tn)
 
@@ -241,42 +271,77 @@ def gmm(
     num_segments = num_local + 2
 
     lhs_spec = pl.BlockSpec((tm, tk), lambda n_i, v, k_i, seg, tile, *_: (tile[v], k_i))
-    if rhs_layout == "nk":
-        rhs_spec = pl.BlockSpec(
+    if glu is not None:
+        # [G, 2, I, K]: a free view of [G, 2I, K] (I a multiple of the sublane
+        # tile, ``check_glu_rhs``); one spec per half, the same column tile.
+        rhs = rhs.reshape(num_local, 2, n, k)
+        rhs_specs = [pl.BlockSpec((pl.Squeezed(), pl.Squeezed(), tn, tk),
+                                  lambda n_i, v, k_i, seg, tile, starts, ends, group, h=h: (group[v], h, n_i, k_i))
+                     for h in range(2)]
+    elif rhs_layout == "nk":
+        rhs_specs = [pl.BlockSpec(
             (pl.Squeezed(), tn, tk),
             lambda n_i, v, k_i, seg, tile, starts, ends, group: (group[v], n_i, k_i),
-        )
+        )]
     else:
-        rhs_spec = pl.BlockSpec(
+        rhs_specs = [pl.BlockSpec(
             (pl.Squeezed(), tk, tn),
             lambda n_i, v, k_i, seg, tile, starts, ends, group: (group[v], k_i, n_i),
-        )
+        )]
     out_spec = pl.BlockSpec((tm, tn), lambda n_i, v, k_i, seg, tile, *_: (tile[v], n_i))
 
     kernel = functools.partial(
         _gmm_kernel, tm=tm, tk=tk, k=k, tiles_k=tiles_k,
         num_segments=num_segments, rhs_layout=rhs_layout,
-        row_chunk=tiling_lib.row_chunk(tm, generation),
+        row_chunk=tiling_lib.row_chunk(tm, generation), glu=glu,
     )
     # What the kernel reads, as XLA schedules around it: M rows touch at most
     # M experts (decode: 8 of 128), not every expert of rhs.
     experts_read = min(num_local, m)
     cost = pl.CostEstimate(
-        flops=2 * m * k * n,
-        transcendentals=0,
+        flops=2 * m * k * n * num_rhs,
+        transcendentals=m * n if glu is not None else 0,
         bytes_accessed=(
             lhs.size * lhs.dtype.itemsize * tiles_n
-            + experts_read * k * n * rhs.dtype.itemsize
+            + experts_read * k * n * num_rhs * rhs.dtype.itemsize
             + m * n * out_dtype.itemsize
         ),
     )
+    # The VMEM limit of the tiles' bytes: a gated step holds both halves' tiles.
+    vmem_tiles = tiling_lib.Tiling(tm, tk, tn * num_rhs)
     call = _visits_call(kernel, out_struct((m, n), out_dtype, lhs, rhs, group_sizes),
-                        (tiles_n, num_visits, tiles_k), [lhs_spec, rhs_spec],
+                        (tiles_n, num_visits, tiles_k), [lhs_spec, *rhs_specs],
                         out_spec, (tm, tn), ("parallel", "arbitrary", "arbitrary"), cost,
-                        f"ragged_dot_gmm_{rhs_layout}", generation, interpret, num_visit_arrays=5,
-                        large_vmem=tiling_lib.needs_large_vmem(t, lhs.dtype.itemsize, rhs.dtype.itemsize,
-                                                               out_dtype.itemsize, generation))
-    return call(seg, tile, seg_starts, seg_ends, weight_group, lhs, rhs)
+                        f"ragged_dot_gmm_{'glu' if glu is not None else rhs_layout}", generation, interpret,
+                        num_visit_arrays=5, num_accumulators=num_rhs,
+                        large_vmem=tiling_lib.needs_large_vmem(vmem_tiles, lhs.dtype.itemsize, rhs.dtype.itemsize,
+                                                               4, generation))
+    return call(seg, tile, seg_starts, seg_ends, weight_group, lhs, *([rhs] * num_rhs))
+
+
+def check_glu_rhs(rhs_shape, rhs_layout) -> None:
+    """The gated up projection's weights: "nk", two halves whose row count is
+    a multiple of 16 (so that ``[G, 2, I, K]`` is a free view of ``[G, 2I,
+    K]`` in any dtype of at least 16 bits)."""
+    if rhs_layout != "nk":
+        raise ValueError(f"glu: the gated up projection reads rhs as \"nk\" ([G, 2I, K]), got "
+                         f"rhs_layout={rhs_layout!r}")
+    if rhs_shape[1] % (2 * GLU_HALF_ROWS):
+        raise ValueError(f"glu: rhs's out dim must be two halves (gate, up) of a multiple of {GLU_HALF_ROWS} "
+                         f"rows each, got {rhs_shape[1]} (rhs shape {tuple(rhs_shape)})")
+
+
+GLU_HALF_ROWS = 16
+
+
+def gated_tiling(t: tiling_lib.Tiling, half: int) -> tiling_lib.Tiling:
+    """The gated kernel's tiles from the rule's tiles for the whole ``2 *
+    half`` output dim: a step holds one column tile of each half, so each is
+    half as wide (the same VMEM), lane-aligned, balanced over ``half``."""
+    if t.tn >= 2 * half:
+        return tiling_lib.Tiling(t.tm, t.tk, half)
+    tn = max(128, t.tn // 2 // 128 * 128)
+    return tiling_lib.Tiling(t.tm, t.tk, tiling_lib.balanced_tile(half, tn, 128))
 
 
 # ----------------------------------------------------------------------------
@@ -381,16 +446,16 @@ def tgmm(
 
 
 def _visits_call(kernel, out_shape, grid, in_specs, out_spec, acc_shape, semantics, cost, name,
-                 generation, interpret, num_visit_arrays, large_vmem=False):
+                 generation, interpret, num_visit_arrays, large_vmem=False, num_accumulators=1):
     """The pallas_call both kernels share: scalar-prefetched visit arrays
     (segment and tile of each visit, segment row bounds; the forward adds the
-    weight group of each visit), an f32 accumulator."""
+    weight group of each visit), f32 accumulators (the gated forward: two)."""
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=num_visit_arrays, grid=grid, in_specs=in_specs, out_specs=out_spec,
-            scratch_shapes=[pltpu.VMEM(acc_shape, jnp.float32)],
+            scratch_shapes=[pltpu.VMEM(acc_shape, jnp.float32)] * num_accumulators,
         ),
         compiler_params=compiler_params(generation, semantics, large_vmem=large_vmem),
         interpret=interpret,
