@@ -48,7 +48,7 @@ from common import ROOT, calibration_summary, markdown, use_shipped_packages  # 
 
 MODELS = {  # hidden, intermediate, experts, top_k, gate
     "qwen3-30b-a3b": (2048, 768, 128, 8, "glu_silu"),
-    "gpt-oss-20b": (2880, 2880, 32, 4, "glu_silu"),
+    "gpt-oss-20b": (2880, 2880, 32, 4, "gpt_oss"),  # interleaved halves: no gated up projection
     "mixtral-8x7b": (4096, 14336, 8, 2, "glu_silu"),
     "deepseek-v3": (7168, 2048, 256, 8, "glu_silu"),
 }
@@ -80,17 +80,16 @@ def routing_group_sizes(tokens, experts, top_k, rng, routing="uniform") -> np.nd
 def contender_fn(name, gate, generation):
     import jax.numpy as jnp
 
-    from moe_experts_tpu.experts import pallas_fused_experts
+    from moe_experts_tpu.experts import pallas_fused_experts, program
     from moe_experts_tpu.experts.gates import apply_gate
-    from moe_experts_tpu.gmm import pallas_gmm
 
     def act(h):
         return apply_gate(h, gate, 1.702, 7.0).astype(jnp.bfloat16)
 
     if name == "ours":
-        def fn(x, up, down, gs):
-            h = pallas_gmm.gmm(x, up, gs, rhs_layout="nk", out_dtype=jnp.float32, generation=generation)
-            return pallas_gmm.gmm(act(h), down, gs, rhs_layout="nk", out_dtype=jnp.float32, generation=generation)
+        def fn(x, up, down, gs):  # the experts program's unfused path (gated up projection where it applies)
+            return program.two_matmuls(x, up, down, gs, gate=gate, alpha=1.702, limit=7.0, rhs_layout="nk",
+                                       generation=generation)
     elif name == "ours fused":
         def fn(x, up, down, gs):
             # The experts program's own rule: the row tile whose working set

@@ -240,31 +240,41 @@ def test_device_kinds_name_their_generation_and_vmem_limits_fit_it():
 
 
 @pytest.mark.parametrize("generation", GENERATIONS)
-def test_gated_up_projection_compiles(generation, record_property):
-    """gmm(glu=) at Mixtral-8x7B 4096 tokens: whole-K tiles of both halves, the
-    largest working set its rule gives, within each generation's VMEM limit."""
-    from moe_experts_tpu.experts.gates import kernel_gate
+@pytest.mark.parametrize("model_name", ["mixtral", "gpt-oss"])
+def test_gated_up_projection_compiles(generation, model_name):
+    """gmm(glu=) at 4096 tokens: Mixtral-8x7B (concatenated "nk" halves,
+    whole-K tiles of both halves: the largest working set of its rule) and
+    gpt-oss-20b (interleaved "kn" halves with its up bias), within each
+    generation's VMEM limit."""
+    from moe_experts_tpu.experts.gates import gate_halves, kernel_gate
 
-    m, k, i, g = 4096 * MIXTRAL["top_k"], MIXTRAL["hidden"], MIXTRAL["inter"], MIXTRAL["experts"]
-    glu = kernel_gate("glu_silu", 0.0, 0.0)
-    aot.compile_for(generation, lambda x, w, s: pallas_gmm.gmm(x, w, s, rhs_layout="nk", out_dtype=jnp.bfloat16,
-                                                                generation=generation, glu=glu),
-                    ((m, k), jnp.bfloat16), ((g, 2 * i, k), jnp.bfloat16), ((g,), jnp.int32))
+    model, gate = (MIXTRAL, "glu_silu") if model_name == "mixtral" else (GPT_OSS, "gpt_oss")
+    m, k, i, g = 4096 * model["top_k"], model["hidden"], model["inter"], model["experts"]
+    glu, halves = kernel_gate(gate, 1.702, 7.0), gate_halves(gate)
+    if model is MIXTRAL:
+        aot.compile_for(generation, lambda x, w, s: pallas_gmm.gmm(
+            x, w, s, rhs_layout="nk", out_dtype=jnp.bfloat16, generation=generation, glu=glu, glu_halves=halves),
+            ((m, k), jnp.bfloat16), ((g, 2 * i, k), jnp.bfloat16), ((g,), jnp.int32))
+    else:
+        aot.compile_for(generation, lambda x, w, b, s: pallas_gmm.gmm(
+            x, w, s, rhs_layout="kn", out_dtype=jnp.bfloat16, generation=generation, glu=glu, glu_halves=halves,
+            glu_bias=b), ((m, k), jnp.bfloat16), ((g, k, 2 * i), jnp.bfloat16), ((g, 2 * i), jnp.bfloat16),
+            ((g,), jnp.int32))
 
 
 IN_KERNEL_GATES = ["glu_gelu_tanh", "glu_relu", "glu_relu2", "preclamp_glu_silu", "postclamp_glu_silu",
-                   "softcap_swiglu", "gpt_oss_concat"]
+                   "softcap_swiglu", "gpt_oss_concat", "gpt_oss"]
 
 
 @pytest.mark.parametrize("gate", IN_KERNEL_GATES)
 def test_every_in_kernel_gate_compiles(gate):
     """Each gate ``kernel_gate`` puts in a kernel lowers in Mosaic (v6e)."""
-    from moe_experts_tpu.experts.gates import kernel_gate
+    from moe_experts_tpu.experts.gates import gate_halves, kernel_gate
 
     glu = kernel_gate(gate, 1.702, 7.0)
     assert glu is not None
     aot.compile_for("v6e", lambda x, w, s: pallas_gmm.gmm(x, w, s, rhs_layout="nk", out_dtype=jnp.bfloat16,
-                                                           generation="v6e", glu=glu),
+                                                           generation="v6e", glu=glu, glu_halves=gate_halves(gate)),
                     ((512, 2048), jnp.bfloat16), ((8, 1536, 2048), jnp.bfloat16), ((8,), jnp.int32))
 
 

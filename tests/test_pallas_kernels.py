@@ -150,44 +150,85 @@ def test_forward_row_chunks(layout, kind, generation, tm, chunk):
     _assert_close(out, want, jnp.float32, k, f"gmm row chunks sizes={sizes.tolist()}")
 
 
-# float64 references of gates the gated up projection applies (gates.py),
-# at alpha 1.5 and limit 4 for the one that takes them.
+# float64 references of gates the gated up projection applies (gates.py), at
+# alpha 1.5 and limit 4 for those that take them, and where their halves lie.
 GLU_REFERENCES = {
-    "glu_silu": lambda g, u: g / (1 + np.exp(-g)) * u,
-    "softcap_swiglu": lambda g, u: 1.5 * np.tanh(g / 1.5) / (1 + np.exp(-g)) * (4.0 * np.tanh(u / 4.0)),
+    "glu_silu": (lambda g, u: g / (1 + np.exp(-g)) * u, "concatenated"),
+    "softcap_swiglu": (lambda g, u: 1.5 * np.tanh(g / 1.5) / (1 + np.exp(-g)) * (4.0 * np.tanh(u / 4.0)),
+                       "concatenated"),
+    "gpt_oss": (lambda g, u: (np.clip(u, -4, 4) + 1) * np.minimum(g, 4) / (1 + np.exp(-1.5 * np.minimum(g, 4))),
+                "interleaved"),
 }
 
 
 @pytest.mark.parametrize("gate", sorted(GLU_REFERENCES))
-@pytest.mark.parametrize("kind", ["random", "with_zeros", "one_huge", "sum_below_m", "all_empty"])
-def test_forward_gated_up_projection(gate, kind):
-    """gmm(glu=): the gate applied at the store to the products of both halves
-    of [G, 2I, K], against float64, with a local group window (rows of other
-    groups and past the sizes must be zeros): the rule's tiles, small tiles
-    with K and I tails, and 512-row tiles of 256-row chunks (v6e)."""
-    from moe_experts_tpu.experts.gates import halves_gate
+@pytest.mark.parametrize("kind,biased", [("random", False), ("with_zeros", False), ("all_empty", False),
+                                         ("one_huge", True), ("sum_below_m", True)])
+def test_forward_gated_up_projection(gate, kind, biased):
+    """gmm(glu=): the gate applied at the store to both halves of the product
+    (concatenated: two weight tiles; interleaved: pairs of columns), with an
+    optional per-group bias, against float64, with a local group window
+    (rows of other groups and past the sizes must be zeros, bias or not): the
+    rule's tiles, small tiles with K and I tails, 512-row tiles of 256-row
+    chunks (v6e), and for interleaved halves the "kn" layout too."""
+    from moe_experts_tpu.experts.gates import pair_gate
 
-    rng = np.random.default_rng([SEED, 13, KINDS.index(kind), gate == "glu_silu"])
+    reference_gate, halves = GLU_REFERENCES[gate]
+    rng = np.random.default_rng([SEED, 13, KINDS.index(kind), sorted(GLU_REFERENCES).index(gate), biased])
     m, k, i = int(rng.integers(520, 700)), int(rng.integers(1, 300)), 16 * int(rng.integers(1, 20))
-    lhs, rhs, sizes = _inputs(rng, m, k, 2 * i, 6, kind, "nk", jnp.float32, 5, 1)
-    h = reference.ragged_dot(lhs, rhs, sizes, "nk", group_offset=1)  # zero rows outside the window
-    want = GLU_REFERENCES[gate](h[:, :i], h[:, i:])
-    norm = max(1.0, float(np.abs(want).max()))
-    for tiling, generation in ((None, None), ((8, 128, 128), None), ((512, 128, 128), "v6e")):
-        out = _gmm(lhs, rhs, sizes, "nk", jnp.float32, group_offset=1, glu=halves_gate(gate, 1.5, 4.0),
-                   tiling=tiling, generation=generation)
-        assert out.shape == (m, i)
-        _assert_close(np.asarray(out) / norm, want / norm, jnp.float32, 1,
-                      f"gated gmm {gate} m={m} k={k} i={i} sizes={sizes.tolist()} tiling={tiling}")
+    layouts = ["nk", "kn"] if halves == "interleaved" else ["nk"]
+    for layout in layouts:
+        lhs, rhs, sizes = _inputs(rng, m, k, 2 * i, 6, kind, layout, jnp.float32, 5, 1)
+        bias = rng.standard_normal((5, 2 * i)).astype(np.float32) if biased else None
+        h = reference.ragged_dot(lhs, rhs, sizes, layout, group_offset=1)  # zero rows outside the window
+        starts, ends = reference.bounds(sizes)
+        if biased:
+            for g in range(5):
+                h[starts[g + 1]:ends[g + 1]] += bias[g]
+        g_half, u_half = (h[:, 0::2], h[:, 1::2]) if halves == "interleaved" else (h[:, :i], h[:, i:])
+        want = reference_gate(g_half, u_half)
+        want[:starts[1]] = want[ends[5]:] = 0.0  # rows outside the local groups: zeros
+        norm = max(1.0, float(np.abs(want).max()))
+        for tiling, generation in ((None, None), ((8, 128, 128), None), ((512, 128, 128), "v6e")):
+            out = _gmm(lhs, rhs, sizes, layout, jnp.float32, group_offset=1, glu=pair_gate(gate, 1.5, 4.0),
+                       glu_halves=halves, glu_bias=None if bias is None else jnp.asarray(bias),
+                       tiling=tiling, generation=generation)
+            assert out.shape == (m, i)
+            _assert_close(np.asarray(out) / norm, want / norm, jnp.float32, 1,
+                          f"gated gmm {gate} {layout} m={m} k={k} i={i} sizes={sizes.tolist()} tiling={tiling}")
+
+
+def test_gated_up_projection_bf16_out():
+    """bf16 operands and output (the program's case), interleaved halves."""
+    from moe_experts_tpu.experts.gates import pair_gate
+
+    rng = np.random.default_rng([SEED, 14])
+    m, k, i = 300, 256, 384
+    lhs, rhs, sizes = _inputs(rng, m, k, 2 * i, 4, "random", "nk", jnp.bfloat16)
+    h = reference.ragged_dot(lhs, rhs, sizes, "nk")
+    want = GLU_REFERENCES["gpt_oss"][0](h[:, 0::2], h[:, 1::2])
+    out = _gmm(lhs, rhs, sizes, "nk", jnp.bfloat16, out_dtype=jnp.bfloat16, glu=pair_gate("gpt_oss", 1.5, 4.0),
+               glu_halves="interleaved", tiling=(128, 256, 128))
+    assert out.dtype == jnp.bfloat16
+    norm = float(np.abs(want).max())
+    _assert_close(np.asarray(out.astype(jnp.float32)) / norm, want / norm, jnp.bfloat16, 1, "gated gmm bf16")
 
 
 def test_gated_up_projection_refuses_weights_it_cannot_split():
     glu = lambda g, u: g * u  # noqa: E731
     x, sizes = jnp.ones((8, 128)), jnp.array([8], jnp.int32)
-    with pytest.raises(ValueError, match="glu: .*\"nk\""):
+    with pytest.raises(ValueError, match="glu: concatenated halves .*\"nk\""):
         pallas_gmm.gmm(x, jnp.ones((1, 128, 64)), sizes, rhs_layout="kn", glu=glu)
-    with pytest.raises(ValueError, match="glu: rhs's out dim must be two halves"):
+    with pytest.raises(ValueError, match="glu: rhs's out dim holds two halves"):
         pallas_gmm.gmm(x, jnp.ones((1, 40, 128)), sizes, rhs_layout="nk", glu=glu)
+    with pytest.raises(ValueError, match="glu: rhs's out dim holds two halves"):
+        pallas_gmm.gmm(x, jnp.ones((1, 41, 128)), sizes, rhs_layout="nk", glu=glu, glu_halves="interleaved")
+    with pytest.raises(ValueError, match="glu_halves must be one of"):
+        pallas_gmm.gmm(x, jnp.ones((1, 64, 128)), sizes, glu=glu, glu_halves="alternating")
+    with pytest.raises(ValueError, match="glu_bias: expected shape \\(1, 64\\)"):
+        pallas_gmm.gmm(x, jnp.ones((1, 64, 128)), sizes, glu=glu, glu_bias=jnp.ones((64,)))
+    with pytest.raises(ValueError, match="glu_bias given without glu"):
+        pallas_gmm.gmm(x, jnp.ones((1, 64, 128)), sizes, glu_bias=jnp.ones((1, 64)))
 
 
 @pytest.mark.parametrize("layout", ["nk", "kn"])

@@ -56,15 +56,21 @@ def _activation_after(prefix: str, gate: str):
     return ACTIVATIONS[name]
 
 
-def halves_gate(gate: str, alpha: float, limit: float):
-    """The gate as a function ``(g, u) -> f32`` of the two halves of the up
-    projection (f32 tiles), or None for a gate not written on concatenated
-    halves (an ungated activation, gpt-oss's interleaved halves). Every such
-    gate maps ``(0, 0)`` to 0: the gated grouped matmul applies it at its
-    store (``pallas_gmm.gmm(glu=)``), where rows outside the groups are zero."""
-    if gate == "gpt_oss" or gate in ACTIVATIONS:
+def gate_halves(gate: str) -> str | None:
+    """How a gate's two halves lie in the up projection: "interleaved"
+    (gpt-oss: gate at even columns, up at odd), "concatenated" (gate, then
+    up), or None (an ungated activation)."""
+    if gate in ACTIVATIONS:
         return None
-    if gate == "gpt_oss_concat":
+    return "interleaved" if gate == "gpt_oss" else "concatenated"
+
+
+def pair_gate(gate: str, alpha: float, limit: float):
+    """The gate as a function ``(g, u) -> f32`` of its two halves (f32 tiles;
+    ``gate_halves`` says where they are), or None for an ungated activation."""
+    if gate in ACTIVATIONS:
+        return None
+    if gate in ("gpt_oss", "gpt_oss_concat"):
         return lambda g, u: _clamped_swiglu(g, u, alpha, limit)
     if gate == "softcap_swiglu":
         return lambda g, u: alpha * jnp.tanh(g / alpha) * jax.nn.sigmoid(g) * (limit * jnp.tanh(u / limit))
@@ -88,18 +94,17 @@ def lowers_in_kernel(gate: str) -> bool:
 
 
 def kernel_gate(gate: str, alpha: float, limit: float):
-    """``halves_gate`` for a gate a kernel can apply at its store, else None."""
-    return halves_gate(gate, alpha, limit) if lowers_in_kernel(gate) else None
+    """``pair_gate`` for a gate a kernel can apply at its store, else None."""
+    return pair_gate(gate, alpha, limit) if lowers_in_kernel(gate) else None
 
 
 def apply_gate(h, gate: str, alpha: float, limit: float):
     """The gate on the up projection ``h`` (f32 out)."""
     h = h.astype(jnp.float32)
-    if gate == "gpt_oss":
-        return _clamped_swiglu(h[:, ::2], h[:, 1::2], alpha, limit)
     if gate in ACTIVATIONS:
         return ACTIVATIONS[gate](h)
-    return halves_gate(gate, alpha, limit)(*jnp.split(h, 2, axis=-1))
+    halves = (h[:, ::2], h[:, 1::2]) if gate_halves(gate) == "interleaved" else jnp.split(h, 2, axis=-1)
+    return pair_gate(gate, alpha, limit)(*halves)
 
 
 # --- Which gate a module that overrides ``_apply_gate`` computes -------------

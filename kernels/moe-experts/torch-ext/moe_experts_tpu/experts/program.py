@@ -12,13 +12,15 @@ once) when the gate is a GLU on concatenated "nk" weights without biases
 and a whole expert fits the generation's VMEM budget with some row tile
 (Qwen3-30B-A3B, Mixtral-size experts of a few MB); otherwise two grouped
 matmuls with the gate between them (gpt-oss: interleaved, biased, 33 MB
-experts). Where the gate is written on concatenated "nk" halves without an
-up bias (Mixtral, DeepSeek-V3 and most GLU experts too large for the fused
-kernel), the first grouped matmul applies it at its store (``gmm(glu=)``)
-and writes the activation in the weights' dtype: its f32 ``[rows, 2I]``
-output and an XLA pass over it are not written and read back. Estimated
-(TPU estimator, v6e, ``bench_tpu_estimates`` layer): Mixtral-8x7B 4096
-tokens 6197 -> 5282 us, 512 tokens 2072 -> 1952. Where both apply the fused kernel never moves more bytes and does
+experts). There the first grouped matmul applies the gate (and the up bias)
+at its store (``gmm(glu=)``: every gate of ``gates.py`` but the ungated
+activations and exact GELU, on concatenated "nk" halves or gpt-oss's
+interleaved ones) and writes the activation in the weights' dtype: its f32
+``[rows, 2I]`` output and an XLA pass over it are not written and read back
+(gpt-oss's interleaved gate in XLA reads its halves with strided lane slices,
+at about four times the pass's HBM time). Estimated (TPU estimator, v6e,
+``bench_tpu_estimates`` layer): Mixtral-8x7B 4096 tokens 6197 -> 5282 us, 512
+tokens 2072 -> 1952. Where both apply the fused kernel never moves more bytes and does
 the same MXU work, so it is always the one taken (the roofline model in
 bench/bench_experts.py: equal at decode, 1.1x at 1024 tokens, 1.4x at 4096).
 
@@ -41,7 +43,7 @@ import jax.numpy as jnp
 
 from ..gmm import pallas_gmm
 from . import pallas_fused_experts
-from .gates import apply_gate, kernel_gate
+from .gates import apply_gate, gate_halves, kernel_gate
 
 def experts_forward(
     hidden_states,  # [T, H]
@@ -96,15 +98,25 @@ def experts_forward(
             x, up_weight, down_weight, group_sizes, gate=gate, out_dtype=jnp.float32,
             tm=fused_tm, generation=generation, interpret=interpret)
         return _combine(out, order, remote, top_k_weights, num_tokens, top_k, hidden, out_dtype)
-    # Both matmuls get the chip's tiles and VMEM limit (without generation=,
-    # a v4 would be given v6e's and overflow its 16 MiB).
-    glu = kernel_gate(gate, alpha, limit)
-    if glu is not None and up_bias is None and rhs_layout == "nk" and \
-            up_weight.shape[1] % (2 * pallas_gmm.GLU_HALF_ROWS) == 0:
-        # The gate at the up projection's store: its f32 [rows, 2I] output
-        # and the gate's pass over it never reach HBM (module docstring).
-        act = pallas_gmm.gmm(x, up_weight, group_sizes, rhs_layout="nk", out_dtype=down_weight.dtype,
-                             generation=generation, interpret=interpret, glu=glu)
+    out = two_matmuls(x, up_weight, down_weight, group_sizes, up_bias=up_bias, down_bias=down_bias,
+                      safe_ids=safe_ids, gate=gate, alpha=alpha, limit=limit, rhs_layout=rhs_layout,
+                      generation=generation, interpret=interpret)
+    return _combine(out, order, remote, top_k_weights, num_tokens, top_k, hidden, out_dtype)
+
+
+def two_matmuls(x, up_weight, down_weight, group_sizes, *, up_bias=None, down_bias=None, safe_ids=None,
+                gate: str, alpha: float, limit: float, rhs_layout: str, generation=None, interpret=False):
+    """The unfused way through the matmuls, on rows sorted by expert: ``[M,
+    H]`` f32. Biases are gathered per row by ``safe_ids`` (the rows' experts).
+    Both matmuls get the chip's tiles and VMEM limit (without generation=, a
+    v4 would be given v6e's and overflow its 16 MiB)."""
+    glu, halves = kernel_gate(gate, alpha, limit), gate_halves(gate)
+    if glu is not None and pallas_gmm.glu_supported(up_weight.shape, rhs_layout, halves):
+        # The gate (and the up bias) at the up projection's store: its f32
+        # [rows, 2I] output and the gate's pass over it never reach HBM.
+        act = pallas_gmm.gmm(x, up_weight, group_sizes, rhs_layout=rhs_layout, out_dtype=down_weight.dtype,
+                             generation=generation, interpret=interpret, glu=glu, glu_halves=halves,
+                             glu_bias=up_bias)
     else:
         h = pallas_gmm.gmm(x, up_weight, group_sizes, rhs_layout=rhs_layout,
                            out_dtype=jnp.float32, generation=generation, interpret=interpret)
@@ -115,7 +127,7 @@ def experts_forward(
                          out_dtype=jnp.float32, generation=generation, interpret=interpret)
     if down_bias is not None:
         out = out + down_bias[safe_ids].astype(jnp.float32)
-    return _combine(out, order, remote, top_k_weights, num_tokens, top_k, hidden, out_dtype)
+    return out
 
 
 def _quantized_experts(hidden_states, order, sorted_ids, group_sizes, top_k_weights, top_k, up_weight,

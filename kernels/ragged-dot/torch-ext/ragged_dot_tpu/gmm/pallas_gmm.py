@@ -141,11 +141,13 @@ def store_visit_rows(out_ref, value, v, tile_ref, tm: int, start, end):
 
 def _gmm_kernel(
     seg_ref, tile_ref, seg_start_ref, seg_end_ref, _weight_group_ref,  # scalar prefetch (SMEM)
-    lhs_ref, *refs,  # rhs (gated: its gate and up halves), out, then one f32 accumulator per rhs
+    lhs_ref, *refs,  # rhs (gated, concatenated: gate and up), gated: biases; out; an f32 accumulator per rhs
     tm: int, tk: int, k: int, tiles_k: int, num_segments: int, rhs_layout: str, row_chunk: int, glu=None,
+    glu_halves: str | None = None, num_bias: int = 0, valid_cols: int = 0,
 ):
-    num_rhs = 1 if glu is None else 2
-    rhs_refs, out_ref, acc_refs = refs[:num_rhs], refs[num_rhs], refs[num_rhs + 1:]
+    num_rhs = 2 if glu_halves == "concatenated" else 1
+    rhs_refs, bias_refs = refs[:num_rhs], refs[num_rhs:num_rhs + num_bias]
+    out_ref, acc_refs = refs[num_rhs + num_bias], refs[num_rhs + num_bias + 1:]
     v, k_i = pl.program_id(1), pl.program_id(2)
     seg = seg_ref[v]
     is_local = (seg > 0) & (seg < num_segments - 1)
@@ -155,7 +157,12 @@ def _gmm_kernel(
 
     def finish(products):
         """The stored value: the product, or the gate applied to both halves' products."""
-        return products[0] if glu is None else glu(*products)
+        if glu is None:
+            return products[0]
+        products = [p + b[...].astype(jnp.float32) for p, b in zip(products, bias_refs)] or products
+        if glu_halves == "concatenated":
+            return glu(*products)
+        return _gate_interleaved(products[0], glu, out_ref.dtype, pl.program_id(0), valid_cols)
 
     if tiles_k == 1 and k_rem == 0 and row_chunk == tm:
         # One whole-K step of one chunk: the product goes straight to the
@@ -201,9 +208,37 @@ def _gmm_kernel(
             pl.when(live & (k_i < tiles_k - 1))(functools.partial(accumulate, rows, False))
             pl.when(live & (k_i == tiles_k - 1))(functools.partial(accumulate, rows, True))
 
-    @pl.when(k_i == tiles_k - 1)
+    @pl.when((k_i == tiles_k - 1) & is_local)
     def _store():
         store_visit_rows(out_ref, finish([acc_ref[...] for acc_ref in acc_refs]), v, tile_ref, tm, start, end)
+
+    # Rows outside the local groups are zeros (not a gate of zero products, which a bias makes nonzero).
+    @pl.when((k_i == tiles_k - 1) & jnp.logical_not(is_local))
+    def _store_idle():
+        store_visit_rows(out_ref, jnp.zeros(out_ref.shape, jnp.float32), v, tile_ref, tm, start, end)
+
+
+def _gate_interleaved(p, glu, dtype, n_i, valid_cols: int):
+    """``glu(p[:, 0::2], p[:, 1::2])`` of an f32 ``[rows, 2w]`` product whose
+    gate and up columns alternate (gpt-oss), as ``[rows, w]``: the gate on
+    every column paired with its right neighbour (a lane rotation), then the
+    even columns gathered by a matmul with a 0 / 1 selection matrix (a
+    strided lane slice has no cheap TPU lowering; the selection is exact: one
+    product by 1 per output, the value rounded to ``dtype`` first as the
+    store would). Odd columns and columns past ``valid_cols`` of the whole
+    product (garbage of a partial tile; 0: all valid) are zeroed first, as 0
+    times a NaN there would poison every output."""
+    width = p.shape[1]
+    paired = glu(p, pltpu.roll(p, width - 1, 1))  # column c with column c + 1
+    col = lax.broadcasted_iota(jnp.int32, p.shape, 1)
+    keep = col % 2 == 0
+    if valid_cols:
+        keep &= n_i * width + col < valid_cols
+    paired = jnp.where(keep, paired, 0.0).astype(dtype)
+    rows = lax.broadcasted_iota(jnp.int32, (width, width // 2), 0)
+    select = (rows == 2 * lax.broadcasted_iota(jnp.int32, (width, width // 2), 1)).astype(dtype)
+    return lax.dot_general(paired, select, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+                           precision=lax.Precision.HIGHEST if dtype == jnp.float32 else None)
 
 
 def gmm(
@@ -220,6 +255,8 @@ def gmm(
     rhs_scales: jax.Array | None = None,
     weight_format: str | None = None,
     glu=None,
+    glu_halves: str = "concatenated",
+    glu_bias: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped matmul. See the module docstring; inputs are assumed valid.
 
@@ -227,13 +264,15 @@ def gmm(
     makes ``rhs`` that format's values ("nk" only) and ``rhs_scales`` its
     scales: the kernel of ``pallas_qgmm``, whose arguments are checked.
 
-    ``glu``: the gated up projection of an MLP. ``rhs`` is ``[G, 2I, K]``
-    ("nk": the gate's I rows, then the up's) and the output ``[M, I]`` is
-    ``glu(lhs @ gate^T, lhs @ up^T)`` (``glu`` maps two f32 tiles to one),
-    applied at the store: the f32 ``[M, 2I]`` product never reaches HBM.
-    ``glu(g, 0)`` must be 0 (the up half gates the unit), as rows outside the
-    local groups are zeros. A step reads the same column tile of both halves (``tiling``'s ``tn``
-    is the width of one half's tile)."""
+    ``glu``: the gated up projection of an MLP. ``rhs`` holds ``2I`` output
+    features, a gate half and an up half, ``glu_halves`` "concatenated" (the
+    gate's I, then the up's; "nk" only) or "interleaved" (gate, up
+    alternating: gpt-oss); the output ``[M, I]`` is ``glu(g, u)`` of the
+    halves of ``lhs @ rhs`` (+ ``glu_bias [G, 2I]`` of each row's group),
+    applied at the store (``glu`` maps two f32 tiles to one): the f32 ``[M,
+    2I]`` product never reaches HBM. Rows outside the local groups are
+    zeros. ``tiling``'s ``tn`` is the output tile: a step reads ``tn``
+    columns of each half."""
     if weight_format is not None:
         if glu is not None:
             raise ValueError("glu: the gated up projection reads bf16 / f32 weights, not weight_format="
@@ -250,11 +289,13 @@ def gmm(
     num_local = rhs.shape[0]
     n = layouts.out_features(rhs.shape, rhs_layout)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-    num_rhs = 1
     if glu is not None:
-        check_glu_rhs(rhs.shape, rhs_layout)
-        n, num_rhs = n // 2, 2
-    if 0 in (m, k, n):  # nothing to compute; an empty contraction sums to zero (and glu(0, 0) = 0)
+        check_glu_args(rhs.shape, rhs_layout, glu_halves, glu_bias)
+        n //= 2
+    elif glu_bias is not None:
+        raise ValueError("glu_bias given without glu (the gated up projection's bias)")
+    concatenated = glu is not None and glu_halves == "concatenated"
+    if 0 in (m, k, n):  # nothing to compute: zeros (an empty contraction, or rows outside the groups)
         return jnp.zeros((m, n), out_dtype)
     if glu is not None and tiling is None:
         t = gated_tiling(tiling_lib.choose_tiling(
@@ -264,6 +305,8 @@ def gmm(
         t = _resolve_tiling(tiling, m, k, n, num_local, lhs, rhs, out_dtype, generation, row_chunks=True)
     tm, tk, tn = t.as_tuple()
     tiles_m, tiles_k, tiles_n = cdiv(m, tm), cdiv(k, tk), cdiv(n, tn)
+    # Columns of rhs a step reads: one tile of each half (interleaved: 2 tn wide, or all of them).
+    tn_rhs = 2 * n if glu is not None and not concatenated and tn == n else tn * (1 if glu is None else 2)
 
     seg, tile, num_visits, seg_starts, seg_ends, weight_group = forward_visits(
         group_sizes, group_offset, num_local, m=m, tm=tm
@@ -271,67 +314,93 @@ def gmm(
     num_segments = num_local + 2
 
     lhs_spec = pl.BlockSpec((tm, tk), lambda n_i, v, k_i, seg, tile, *_: (tile[v], k_i))
-    if glu is not None:
+    operands, bias_specs = [rhs], []
+    if concatenated:
         # [G, 2, I, K]: a free view of [G, 2I, K] (I a multiple of the sublane
-        # tile, ``check_glu_rhs``); one spec per half, the same column tile.
-        rhs = rhs.reshape(num_local, 2, n, k)
+        # tile, ``check_glu_args``); one spec per half, the same column tile.
+        operands = [rhs.reshape(num_local, 2, n, k)] * 2
         rhs_specs = [pl.BlockSpec((pl.Squeezed(), pl.Squeezed(), tn, tk),
                                   lambda n_i, v, k_i, seg, tile, starts, ends, group, h=h: (group[v], h, n_i, k_i))
                      for h in range(2)]
-    elif rhs_layout == "nk":
-        rhs_specs = [pl.BlockSpec(
-            (pl.Squeezed(), tn, tk),
-            lambda n_i, v, k_i, seg, tile, starts, ends, group: (group[v], n_i, k_i),
-        )]
+        if glu_bias is not None:
+            operands += [glu_bias.reshape(num_local, 2, 1, n)] * 2
+            bias_specs = [pl.BlockSpec((pl.Squeezed(), pl.Squeezed(), 1, tn),
+                                       lambda n_i, v, k_i, seg, tile, starts, ends, group, h=h: (group[v], h, 0, n_i))
+                          for h in range(2)]
     else:
-        rhs_specs = [pl.BlockSpec(
-            (pl.Squeezed(), tk, tn),
-            lambda n_i, v, k_i, seg, tile, starts, ends, group: (group[v], k_i, n_i),
-        )]
+        if rhs_layout == "nk":
+            rhs_specs = [pl.BlockSpec((pl.Squeezed(), tn_rhs, tk),
+                                      lambda n_i, v, k_i, seg, tile, starts, ends, group: (group[v], n_i, k_i))]
+        else:
+            rhs_specs = [pl.BlockSpec((pl.Squeezed(), tk, tn_rhs),
+                                      lambda n_i, v, k_i, seg, tile, starts, ends, group: (group[v], k_i, n_i))]
+        if glu_bias is not None:
+            operands.append(glu_bias.reshape(num_local, 1, 2 * n))
+            bias_specs = [pl.BlockSpec((pl.Squeezed(), 1, tn_rhs),
+                                       lambda n_i, v, k_i, seg, tile, starts, ends, group: (group[v], 0, n_i))]
     out_spec = pl.BlockSpec((tm, tn), lambda n_i, v, k_i, seg, tile, *_: (tile[v], n_i))
 
     kernel = functools.partial(
         _gmm_kernel, tm=tm, tk=tk, k=k, tiles_k=tiles_k,
         num_segments=num_segments, rhs_layout=rhs_layout,
         row_chunk=tiling_lib.row_chunk(tm, generation), glu=glu,
+        glu_halves=glu_halves if glu is not None else None, num_bias=len(bias_specs),
+        valid_cols=2 * n if glu is not None and not concatenated and n % tn else 0,
     )
+    num_rhs = len(rhs_specs)
     # What the kernel reads, as XLA schedules around it: M rows touch at most
     # M experts (decode: 8 of 128), not every expert of rhs.
     experts_read = min(num_local, m)
     cost = pl.CostEstimate(
-        flops=2 * m * k * n * num_rhs,
+        flops=2 * m * k * n * (1 if glu is None else 2),
         transcendentals=m * n if glu is not None else 0,
         bytes_accessed=(
             lhs.size * lhs.dtype.itemsize * tiles_n
-            + experts_read * k * n * num_rhs * rhs.dtype.itemsize
+            + experts_read * k * n * (1 if glu is None else 2) * rhs.dtype.itemsize
             + m * n * out_dtype.itemsize
         ),
     )
     # The VMEM limit of the tiles' bytes: a gated step holds both halves' tiles.
-    vmem_tiles = tiling_lib.Tiling(tm, tk, tn * num_rhs)
+    vmem_tiles = tiling_lib.Tiling(tm, tk, tn if glu is None else 2 * tn)
     call = _visits_call(kernel, out_struct((m, n), out_dtype, lhs, rhs, group_sizes),
-                        (tiles_n, num_visits, tiles_k), [lhs_spec, *rhs_specs],
-                        out_spec, (tm, tn), ("parallel", "arbitrary", "arbitrary"), cost,
+                        (tiles_n, num_visits, tiles_k), [lhs_spec, *rhs_specs, *bias_specs],
+                        out_spec, (tm, tn_rhs if glu is not None and not concatenated else tn),
+                        ("parallel", "arbitrary", "arbitrary"), cost,
                         f"ragged_dot_gmm_{'glu' if glu is not None else rhs_layout}", generation, interpret,
                         num_visit_arrays=5, num_accumulators=num_rhs,
                         large_vmem=tiling_lib.needs_large_vmem(vmem_tiles, lhs.dtype.itemsize, rhs.dtype.itemsize,
                                                                4, generation))
-    return call(seg, tile, seg_starts, seg_ends, weight_group, lhs, *([rhs] * num_rhs))
+    return call(seg, tile, seg_starts, seg_ends, weight_group, lhs, *operands)
 
 
-def check_glu_rhs(rhs_shape, rhs_layout) -> None:
-    """The gated up projection's weights: "nk", two halves whose row count is
-    a multiple of 16 (so that ``[G, 2, I, K]`` is a free view of ``[G, 2I,
-    K]`` in any dtype of at least 16 bits)."""
-    if rhs_layout != "nk":
-        raise ValueError(f"glu: the gated up projection reads rhs as \"nk\" ([G, 2I, K]), got "
-                         f"rhs_layout={rhs_layout!r}")
-    if rhs_shape[1] % (2 * GLU_HALF_ROWS):
-        raise ValueError(f"glu: rhs's out dim must be two halves (gate, up) of a multiple of {GLU_HALF_ROWS} "
-                         f"rows each, got {rhs_shape[1]} (rhs shape {tuple(rhs_shape)})")
-
-
+GLU_HALVES = ("concatenated", "interleaved")
+# Rows of each concatenated half: a multiple of 16, so that [G, 2, I, K] is a
+# free view of [G, 2I, K] in any dtype of at least 16 bits.
 GLU_HALF_ROWS = 16
+
+
+def glu_supported(rhs_shape, rhs_layout: str, glu_halves: str) -> bool:
+    """Whether ``gmm(glu=)`` takes these weights (``check_glu_args``'s rule)."""
+    n = rhs_shape[1] if rhs_layout == "nk" else rhs_shape[2]
+    if glu_halves == "concatenated":
+        return rhs_layout == "nk" and n % (2 * GLU_HALF_ROWS) == 0
+    return glu_halves == "interleaved" and n % 2 == 0
+
+
+def check_glu_args(rhs_shape, rhs_layout, glu_halves, glu_bias) -> None:
+    if glu_halves not in GLU_HALVES:
+        raise ValueError(f"glu_halves must be one of {GLU_HALVES}, got {glu_halves!r}")
+    n = layouts.out_features(rhs_shape, rhs_layout)
+    if glu_halves == "concatenated" and rhs_layout != "nk":
+        raise ValueError(f"glu: concatenated halves are read from rhs \"nk\" ([G, 2I, K]), got "
+                         f"rhs_layout={rhs_layout!r}")
+    if not glu_supported(rhs_shape, rhs_layout, glu_halves):
+        need = f"a multiple of {2 * GLU_HALF_ROWS}" if glu_halves == "concatenated" else "even"
+        raise ValueError(f"glu: rhs's out dim holds two halves (gate, up) and must be {need}, got {n} "
+                         f"(rhs shape {tuple(rhs_shape)}, {glu_halves})")
+    if glu_bias is not None and tuple(glu_bias.shape) != (rhs_shape[0], n):
+        raise ValueError(f"glu_bias: expected shape {(rhs_shape[0], n)} (one bias per group and output feature of "
+                         f"rhs), got {tuple(glu_bias.shape)}")
 
 
 def gated_tiling(t: tiling_lib.Tiling, half: int) -> tiling_lib.Tiling:

@@ -81,6 +81,16 @@ row and output tiles differ, see "Forward tiles"):
   1024), down (512, 14336, 512)) fetch 3758 + 2819 MB: 3788 + 1809 us, the
   layer 8791 -> 6315 us (6332 us with the row chunks below). Every row
   measured, on v5e, v6e and tpu7x, is in ``bench/results/experts_prefill_tiles.md``.
+* Split K: where K cannot stay whole even at ``TN_KEEP_K`` columns (K past
+  ``tk_max``, or a whole-K tile over the budget), narrowing the output tile
+  buys nothing: every step of a split K fetches new lhs and weight tiles, and
+  a group's lhs is re-read once per output tile. The output tile then stays
+  wide and K is halved until the tiles fit. TPU estimator, v6e, Mixtral-8x7B
+  4096 tokens, the up projection's input gradient (``dout [8192, 28672] @
+  W``, K = 28672): (512, 14336, 512) before 6640 us (DMA-bound: 6629 us of
+  DMA), (512, 2048, 4096) now 3790; (512, 2048, 2048) 4167, (512, 1024,
+  4096) 4182, (1024, 1024, 4096) 4285, tokamax's (512, 1024, 2048) in our
+  kernel 4528.
 * Balanced tiles: a split K or N takes the narrowest MXU-aligned tile giving
   the same tile count (``balanced_tile``): Qwen3-30B-A3B's up projection (N =
   1536) on v6e runs two 768-wide column tiles instead of 1024 + 1024 with
@@ -260,9 +270,15 @@ def choose_tiling(m: int, k: int, n: int, num_groups: int, *, lhs_itemsize: int,
     budget = vmem_budget(gen.name, row_chunks)
     # A whole-K tile first: narrow the output tile down to TN_KEEP_K before
     # splitting K (a split K re-reads a group's weights on every row tile).
+    # Only where that keeps K whole: a K that splits anyway keeps its wide
+    # output tile ("Split K" in the module docstring).
     keep_k = TN_KEEP_K.get(gen.name, 0)
-    while keep_k and t.tn > keep_k and working_set_bytes(t, lhs_itemsize, rhs_itemsize, out_itemsize) > budget:
-        t = Tiling(t.tm, t.tk, max(keep_k, halve_lane_aligned(t.tn)))
+    narrowed = t
+    while keep_k and narrowed.tn > keep_k and \
+            working_set_bytes(narrowed, lhs_itemsize, rhs_itemsize, out_itemsize) > budget:
+        narrowed = Tiling(narrowed.tm, narrowed.tk, max(keep_k, halve_lane_aligned(narrowed.tn)))
+    if narrowed.tk == k and working_set_bytes(narrowed, lhs_itemsize, rhs_itemsize, out_itemsize) <= budget:
+        t = narrowed
     while working_set_bytes(t, lhs_itemsize, rhs_itemsize, out_itemsize) > budget:
         if t.tk > 128 and (t.tk >= t.tn or t.tn <= gen.mxu):
             t = Tiling(t.tm, halve_lane_aligned(t.tk), t.tn)
