@@ -90,7 +90,9 @@ row and output tiles differ, see "Forward tiles"):
   W``, K = 28672): (512, 14336, 512) before 6640 us (DMA-bound: 6629 us of
   DMA), (512, 2048, 4096) now 3790; (512, 2048, 2048) 4167, (512, 1024,
   4096) 4182, (1024, 1024, 4096) 4285, tokamax's (512, 1024, 2048) in our
-  kernel 4528.
+  kernel 4528; tpu7x (256, 7168, 512) 3751 -> (256, 4096, 2048) 2821 ((256,
+  2048, 4096), past its 2048 cap, 2666); v5e (512, 14336, 512) 14115 ->
+  (512, 7168, 1024) 13196.
 * Balanced tiles: a split K or N takes the narrowest MXU-aligned tile giving
   the same tile count (``balanced_tile``): Qwen3-30B-A3B's up projection (N =
   1536) on v6e runs two 768-wide column tiles instead of 1024 + 1024 with
