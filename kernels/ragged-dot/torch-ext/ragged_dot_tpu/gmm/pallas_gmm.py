@@ -20,6 +20,15 @@ number of visits is data dependent and becomes the (dynamic) grid size; its
 static bound is ``tiles_m + segments - 1``. Within a visit the forward kernel
 computes only the row chunks (``tiling.row_chunk``) that hold rows of its
 segment, so a shared tile's visits split its MXU work instead of repeating it.
+
+The gated up projection (``gmm(glu=)``, the experts program's unfused path)
+is the same walk with an MLP gate applied at the store: a step reads the
+same column tile of the gate and up halves (two weight tiles of a free
+``[G, 2, I, K]`` view when the halves are concatenated; one tile twice as
+wide when they alternate, as in gpt-oss, where a lane rotation pairs each
+gate column with its up column and a 0 / 1 selection matmul gathers the
+pairs), adds the group's bias, and writes ``[tm, tn]`` activations in the
+weights' dtype instead of an f32 ``[tm, 2 tn]`` product for XLA to gate.
 """
 
 from __future__ import annotations
