@@ -655,7 +655,8 @@ def test_decode_kernel_matches_float64_loop(case, kv_splits, monkeypatch):
     """Static caches filled to any length (chunks read partly, the last one
     overlapping the one before when the keys are not a multiple of the chunk:
     640 = 2.5 chunks of 256), windows, soft-capping, sinks, more KV heads than
-    are unrolled at once, a batch row that sees no key; splits merged; the
+    one group computes at once (9: a group of 8 and a tail; with splits, groups
+    of 4), a batch row that sees no key; splits merged; the
     interpreter poisons every output element the kernel never writes."""
     from attention_tpu.attention import flash_decode
     from attention_tpu.common import jax_bridge, pallas_helpers
@@ -663,6 +664,8 @@ def test_decode_kernel_matches_float64_loop(case, kv_splits, monkeypatch):
     shape, start, end, opts = DECODE_CASES[case]
     chunk = 256 if case == "gqa_static_caches" else 128
     monkeypatch.setitem(blocks.DECODE_CHUNKS, "v6e", chunk)
+    if case == "nine_heads_empty_row" and kv_splits:  # heads in a rolled loop of two groups of 4, then a tail of 1
+        monkeypatch.setattr(flash_decode, "HEADS_PER_GROUP", 4)
     calls = []
     monkeypatch.setattr(flash_decode, "decode_attention_with_lse",
                         _recording(flash_decode.decode_attention_with_lse, calls))
@@ -717,14 +720,14 @@ def test_decode_kernel_16_bit_dtypes(dtype, monkeypatch):
 
 
 def test_decode_chunk_rule():
-    """v5e and v6e decode with the decode kernel at 1024-key chunks, tpu7x at 2048; other generations,
+    """v5e, v6e and tpu7x decode with the decode kernel at 1024-key chunks; other generations,
     prefills, key counts that are not multiples of 128 or below one chunk run
     the grid kernel; many KV heads or wide heads halve the chunk to fit VMEM."""
     assert blocks.choose_decode_chunk(4, 32768, kv_heads=8, generation="v6e") == 1024
     assert blocks.choose_decode_chunk(4, 32768, kv_heads=2, head_dim=512, generation="v6e") == 1024
     assert blocks.choose_decode_chunk(4, 32768, kv_heads=64, head_dim=128, generation="v6e") == 256
     assert blocks.choose_decode_chunk(4, 32768, kv_heads=8, generation="v5e") == 1024
-    assert blocks.choose_decode_chunk(4, 32768, kv_heads=8, generation="tpu7x") == 2048
+    assert blocks.choose_decode_chunk(4, 32768, kv_heads=8, generation="tpu7x") == 1024
     for gen in ("v4", "v5p"):
         assert blocks.choose_decode_chunk(4, 32768, kv_heads=8, generation=gen) is None
     assert blocks.choose_decode_chunk(256, 32768, kv_heads=8, generation="v6e") is None  # not a decode

@@ -197,7 +197,7 @@ DECODE_MAX_ROWS = 128
 DECODE_BLOCK_K = 4096
 # Keys per copy of the decode kernel, by generation; a generation missing here
 # decodes with the grid kernel (see the module docstring's decode table).
-DECODE_CHUNKS = {"v5e": 1024, "v6e": 1024, "tpu7x": 2048}
+DECODE_CHUNKS = {"v5e": 1024, "v6e": 1024, "tpu7x": 1024}
 MIN_BLOCK_K = 512
 COMPUTE_BLOCK_K = 512
 FORWARD_COMPUTE_ROWS = 512

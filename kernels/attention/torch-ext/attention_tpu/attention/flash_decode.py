@@ -15,8 +15,30 @@ nothing, and a loop iteration costs far less than a grid step.
 Layout. One grid step per (batch row, KV split): q ``[Hkv, rows, D]`` (rows
 = G * Sq, the head group's query rows, as in the forward) and one loop over
 the chunks some row sees; each chunk is copied for every KV head at once (one
-strided copy each of K and V) and its heads are computed unrolled, so their
-dependency chains interleave. All heads of a batch row share its key ranges.
+strided copy each of K and V). All heads of a batch row share its key ranges.
+
+Heads. A chunk computes the scores of a group of ``HEADS_PER_GROUP`` KV heads
+first, then each head's softmax step and P V product. A decode tile has a few
+rows, so its matmuls cost what pushing K and V into the MXU as weights costs
+(tpu7x: a transposed K push every 8 cycles per MXU, a V push every 4); the
+MXU takes its ops in program order, so with each head computed whole
+(scores, softmax, P V, then the next head) the MXU sat idle through every
+head's softmax (60% of the chunk loop's bundles empty). Scores first, head
+h + 1's K pushes run while head h's softmax computes. Estimated (llama3-8b,
+batch 8, full 32k cache, 8 KV heads; us, the chunk loop's compute alone in
+parentheses where the copies hide it; HBM-bound 291.4), tpu7x:
+
+=====================================  ==========  ==========
+heads                                  1024 keys   2048 keys
+=====================================  ==========  ==========
+each whole, unrolled (before)          547         363
+scores first, groups of 2              445         298
+scores first, groups of 4              296 (295)   292 (219)
+scores first, groups of 8              292 (213)   292 (196)
+=====================================  ==========  ==========
+
+v6e and v5e were HBM-bound before and stay so (v6e after: the chunk loop computes
+for 265 of its 655 us).
 
 Chunks. Chunk ``c`` covers keys ``[c * chunk, (c + 1) * chunk)``; its copy
 starts at ``min(c * chunk, Skv - chunk)`` so that it never reads past the
@@ -50,7 +72,7 @@ from . import key_ranges as kr
 from .softmax_tiles import STAT_LANES, finished_rows, online_softmax_step, tile_scores
 
 COPY_ALIGN = 128  # chunk copies start on whole (16, 128) / (8, 128) HBM tiles
-HEADS_UNROLLED = 8  # KV heads computed per unrolled group of a chunk's loop
+HEADS_PER_GROUP = 8  # KV heads whose scores a chunk computes before their softmax steps
 
 
 def _decode_kernel(table_ref, q_ref, bounds_ref, k_hbm, v_hbm, o_ref, lse_ref, k_buf, v_buf, sems, m_ref, l_ref,
@@ -97,13 +119,27 @@ def _decode_kernel(table_ref, q_ref, bounds_ref, k_hbm, v_hbm, o_ref, lse_ref, k
         keys = copy_start(c) + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
         visible = (keys >= jnp.maximum(lo, c * chunk)) & (keys < hi)
 
-        def head_step(h, carry):  # heads unrolled: their dependency chains interleave
-            s = tile_scores(load(q_ref.at[h]), load(k_buf.at[slot, h]), softcap=softcap, scale=scale)
-            online_softmax_step(jnp.where(visible, s, -jnp.inf), load(v_buf.at[slot, h]), m_ref.at[h], l_ref.at[h],
-                                acc_ref.at[h], masked=True, exp=exp)
+        def heads_step(first_head, count):
+            # Every head's scores before any head's softmax: the MXU takes its
+            # ops in program order, so head h + 1's K pushes then run while
+            # head h's softmax computes (module docstring, "Heads").
+            hs = [first_head + j for j in range(count)]
+            scores = [tile_scores(load(q_ref.at[h]), load(k_buf.at[slot, h]), softcap=softcap, scale=scale)
+                      for h in hs]
+            for h, s in zip(hs, scores):
+                online_softmax_step(jnp.where(visible, s, -jnp.inf), load(v_buf.at[slot, h]), m_ref.at[h],
+                                    l_ref.at[h], acc_ref.at[h], masked=True, exp=exp)
+
+        group = min(heads, HEADS_PER_GROUP)
+        full_groups, tail = divmod(heads, group)
+
+        def group_step(g, carry):
+            heads_step(g * group, group)
             return carry
 
-        lax.fori_loop(0, heads, head_step, 0, unroll=min(heads, HEADS_UNROLLED))
+        lax.fori_loop(0, full_groups, group_step, 0)
+        if tail:
+            heads_step(full_groups * group, tail)
         return carry
 
     lax.fori_loop(0, chunks, step, 0)
@@ -114,7 +150,7 @@ def _decode_kernel(table_ref, q_ref, bounds_ref, k_hbm, v_hbm, o_ref, lse_ref, k
         lse_ref[h] = lse
         return carry
 
-    lax.fori_loop(0, heads, store, 0, unroll=min(heads, HEADS_UNROLLED))
+    lax.fori_loop(0, heads, store, 0, unroll=min(heads, HEADS_PER_GROUP))
 
 
 def decode_attention_with_lse(q, k, v, bounds, table, *, chunk: int, splits: int, softcap: float, scale: float,
