@@ -725,7 +725,7 @@ def write(results, generations, cases, out_dir, command):
         "(kvpages: KV pages per block, q: query tokens per block) at a 100 MiB VMEM limit. Page size: "
         "vLLM's default (16 tokens above an 8192 model length, else the length / 16 within [16, 256]); "
         "each sequence holds only the pages its keys fill, as in serving, and RPA copies only those (ours "
-        "reads the filled keys of a static cache in 1024- or 2048-key chunks). Its time includes what its call "
+        "reads the filled keys of a static cache in 1024-key chunks). Its time includes what its call "
         "does beyond ours: writing the step's new K/V into the cache (decode: one token per sequence; "
         "prefill: the prompt's K/V, 32 MiB for Llama-3 8k), the relayouts of q, K / V and the output around "
         "the kernel (XLA ops; Llama-3 8k prefill on v6e: 205 of its 2609 us, its kernel alone 2405), and the "

@@ -121,7 +121,8 @@ def test_split_kv_decode_compiles(generation):
 def test_decode_kernel_compiles(generation, dtype, kv_heads, skv):
     """The decode kernel where the rule picks it: a cache that is not a multiple
     of the chunk (its last copy overlaps the one before) and an MHA model with
-    more KV heads than are unrolled at once (the chunk halved to fit VMEM)."""
+    more KV heads than one group computes at once (four groups of 8 in a rolled
+    loop; the chunk halved to fit VMEM)."""
     chunk = blocks.choose_decode_chunk(32 // kv_heads, skv, kv_heads=kv_heads, itemsize=jnp.dtype(dtype).itemsize,
                                        generation=generation)
     assert chunk is not None and skv % chunk == (384 if kv_heads == 8 else 0)
