@@ -273,6 +273,30 @@ def test_visit_table_matches_the_dense_mask(trial):
         assert rule or trial % 2  # rule ranges: every block rebuilds its ranges from the rule
 
 
+@pytest.mark.parametrize("trial", range(4))
+def test_decode_chunk_spans_match_the_dense_mask(trial):
+    """The decode kernel's table: per batch row exactly the first and last chunk
+    any query sees (an extra chunk would be read for nothing yet masked, so
+    only this test sees it), ``last < first`` for a row that sees no key; from
+    arbitrary ranges (some past the keys, clipped) and ranges ending on chunk
+    edges."""
+    rng = np.random.default_rng(SEED + 100 + trial)
+    b, sq, chunk = 4, int(rng.integers(1, 9)), int(rng.choice([128, 256]))
+    skv = chunk * int(rng.integers(1, 6)) + int(rng.choice([0, 128]))
+    bounds = _random_ranges(rng, b, sq, skv)
+    bounds[0] = [0, 0]  # sees nothing
+    bounds[1, :, 1] = np.clip(bounds[1, :, 0] // chunk * chunk + chunk, 0, skv)  # ends on a chunk edge
+    bounds[2, 0] = [-5, skv + 300]  # outside the keys: clipped to all of them
+    spans = np.asarray(kr.decode_chunk_spans(jnp.asarray(bounds), skv=skv, chunk=chunk)).reshape(b, kr.SPAN_COLUMNS)
+    visible = _ranges_mask(np.clip(bounds, 0, skv), skv)[:, 0].any(axis=1)  # [B, Skv]: keys any query sees
+    for row, (first, last) in enumerate(spans):
+        seen = [c for c in range(-(-skv // chunk)) if visible[row, c * chunk:(c + 1) * chunk].any()]
+        if seen:
+            assert (first, last) == (seen[0], seen[-1]), (row, first, last, seen)
+        else:
+            assert last < first, (row, first, last)
+
+
 def _packed_and_right_padded_mask(b, sq, window=0):
     """Batch row 0: three packed documents (6, 9 and the rest of the tokens);
     row 1: right padding after 7 tokens (padding queries see the real keys);
