@@ -149,22 +149,24 @@ and V itself in chunks of every KV head at once (1024 keys), only the chunks
 some row sees, instead of the grid kernel's 4096-key blocks (whose last block
 is read whole in a partly filled static cache). Estimated (us; ours /
 HBM-bound time), the decode kernel computing each chunk's scores of up to 8
-KV heads before their softmax steps (``flash_decode``, "Heads"):
+KV heads before their softmax steps (``flash_decode``, "Heads"); the 1024 rows
+with its chunk spans (``key_ranges.decode_chunk_spans``), the 2048 rows
+before them (0.4-0.6 us more of XLA ops):
 
 ==========================================  =============  ============  ============  ============
 case                                        kernel         v5e           v6e           tpu7x
 ==========================================  =============  ============  ============  ============
 Llama-3-8B decode, batch 8, 32k cache full  grid 4 x 4096  1314 (1.00)   657 (1.00)    393 (1.35)
-                                            decode 1024    1312 (1.00)   656 (1.00)    292 (1.00)
+                                            decode 1024    1312 (1.00)   655 (1.00)    292 (1.00)
                                             decode 2048    1312 (1.00)   656 (1.00)    292 (1.00)
   same, 2k of 32k filled                    grid 4 x 4096  166 (2.03)    84.1 (2.05)   50.7 (2.78)
-                                            decode 1024    83.1 (1.01)   42.0 (1.02)   19.1 (1.05)
+                                            decode 1024    82.7 (1.01)   41.4 (1.01)   18.6 (1.02)
                                             decode 2048    83.1 (1.01)   42.0 (1.02)   19.1 (1.05)
   batch 8, 3k of an 8k cache                grid 4 x 4096  166 (1.38)    84.1 (1.40)   50.7 (1.90)
-                                            decode 1024    124 (1.03)    62.5 (1.04)   28.2 (1.06)
+                                            decode 1024    124 (1.03)    61.9 (1.03)   27.7 (1.04)
                                             decode 2048    165 (1.37)    82.9 (1.38)   37.3 (1.40)
 Gemma-4 global decode, 32k full (D 512)     grid 4 x 4096  168 (1.03)    84.8 (1.04)   39.0 (1.07)
-                                            decode 1024    166 (1.01)    82.8 (1.01)   37.2 (1.02)
+                                            decode 1024    164 (1.00)    82.3 (1.01)   36.8 (1.01)
                                             decode 2048    166 (1.01)    82.8 (1.01)   37.2 (1.02)
 ==========================================  =============  ============  ============  ============
 
