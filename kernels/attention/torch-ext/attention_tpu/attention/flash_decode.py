@@ -41,6 +41,12 @@ scores first, groups of 4              296 (295)   292 (219)
 scores first, groups of 8              292 (213)   292 (196)
 =====================================  ==========  ==========
 
+Not 16: with more KV heads they leave the copies more slack (32 KV heads,
+one row each, full 32k cache: tpu7x computes for 877 of 1166 us against 1098
+at 8, HBM-bound either way; v6e 1092 / 1337 of 2619), but a group's f32
+scores are live at once, and 16 of 128 rows (32 tokens of 4 query heads per
+KV head) overflow VMEM on v5e and v6e. At 128 rows tpu7x is compute-bound
+(Llama-3-8B, 32 tokens: 424 us against 292 HBM-bound; the grid kernel 601).
 v6e and v5e were HBM-bound before and stay so (v6e after: the chunk loop computes
 for 265 of its 655 us).
 
