@@ -18,7 +18,7 @@ Per case and generation (bf16, batch 1 unless named):
   ``SPLASH_BACKWARD`` (the dq and dk/dv kernels, or the fused one), through
   ``jax.grad`` of splash's custom VJP. A config the compiler refuses (VMEM)
   is reported with its reason and skipped. Splash needs blocks that divide
-  the lengths: no decode (one query row).
+  the lengths: no decode (1-8 query rows).
 * tokamax 0.0.12 ``PallasMosaicTpuFlashAttention`` (tokamax's fork of splash:
   layouts, experimental scheduler, base-2 exp), forward and through its VJP
   op: at the fastest config of its wheel's measured table for the chip
@@ -40,9 +40,14 @@ Per case and generation (bf16, batch 1 unless named):
   page size for the case's cache length, each sequence holding only the pages
   its keys fill; the metadata (block table, kv_lens, cu_q_lens,
   distribution) concrete, so the estimator replays its page copies and
-  loops; the cache donated, as vLLM donates it. Decode: its decode-only
-  kernel; prefill: its mixed kernel; head_dim 64 (gpt-oss, sinks): its hd64
-  variant at its tuned blocks. Forward only.
+  loops; the cache donated, as vLLM donates it. Decode of one token: its
+  decode-only kernel; of several (speculative decoding) and prefill: its
+  mixed kernel (vLLM sends it every sequence of more than one new token);
+  head_dim 64 (gpt-oss, sinks): its hd64 variant at its tuned blocks.
+  Forward only.
+
+Decode cases: up to ``MAX_DECODE_TOKENS`` new tokens per sequence (one, or
+a few draft tokens verified at once), forward only, ours against RPA.
 
 Ratios: ours / best peer (< 1: ours is faster) and ours / roofline. The
 roofline is ``max(MXU-bound, HBM-bound)`` of the visible (query, key) pairs and
@@ -83,6 +88,11 @@ import tpu_estimator  # noqa: E402  (sets libtpu's dump folder before jax loads 
 RESULTS = ROOT / "bench" / "results"
 
 
+# New tokens per sequence up to which a case is a decode (speculative decoding
+# verifies a few draft tokens at once): forward only, no splash / tokamax.
+MAX_DECODE_TOKENS = 8
+
+
 class Case(NamedTuple):
     key: str  # short id, used by --cases and in the logs
     label: str
@@ -98,7 +108,7 @@ class Case(NamedTuple):
 
     @property
     def prefill(self) -> bool:
-        return self.sq > 1
+        return self.sq > MAX_DECODE_TOKENS
 
 
 CASES = [
@@ -113,6 +123,12 @@ CASES = [
          0),
     Case("llama3-decode-8k-3k", "llama3-8b decode, batch 8, 8k cache, 3k filled", 8, 32, 8, 1, 8192, 3000, 128, 0),
     Case("gemma4-decode-32k", "gemma4 global decode, 32k cache full (D 512)", 1, 8, 2, 1, 32768, 32768, 512, 0),
+    Case("llama3-spec4-32k-full", "llama3-8b decode of 4 tokens, batch 8, 32k cache full", 8, 32, 8, 4, 32768,
+         32768, 128, 0),
+    Case("llama3-spec8-32k-full", "llama3-8b decode of 8 tokens, batch 8, 32k cache full", 8, 32, 8, 8, 32768,
+         32768, 128, 0),
+    Case("llama3-spec4-8k-3k", "llama3-8b decode of 4 tokens, batch 8, 8k cache, 3k filled", 8, 32, 8, 4, 8192,
+         3000, 128, 0),
 ]
 CASE_BY_KEY = {c.key: c for c in CASES}
 
@@ -240,7 +256,7 @@ def splash_block_sizes(fwd_blocks, bwd=None):
 def splash_legal(case: Case, blocks) -> str | None:
     """Why splash cannot run these blocks on the case, or None."""
     if not case.prefill:
-        return "no decode: blocks must divide the query length (1 row)"
+        return f"no decode: blocks must divide the query length ({case.sq} rows)"
     if case.filled != case.skv:
         return "no partly filled cache"
     bq, bkv, bkvc = blocks
@@ -588,7 +604,8 @@ def _config_of(name: str) -> str:
 
 def _reason(cell: dict, prefix: str, case: Case | None = None) -> str:
     if case is not None and not case.prefill and prefix in ("splash@", "tokamax-"):
-        return "no decode: " + ("blocks must divide the 1-row query" if prefix == "splash@" else "128-row blocks")
+        return "no decode: " + (f"blocks must divide the {case.sq}-row query" if prefix == "splash@"
+                                else "128-row blocks")
     reasons = {v.split(": ", 1)[1] if ": " in v else v for n, v in cell.items()
                if n.startswith(prefix) and isinstance(v, str)}
     return "; ".join(sorted(reasons)) if reasons else "not estimated"
@@ -716,7 +733,8 @@ def write(results, generations, cases, out_dir, command):
         "block) and VMEM limit. Its v3 kernel takes no tuned table (its `tuned_block_sizes.py` holds the older "
         "(pages, queries) entries, which the v3 path never reads): the blocks are its `get_default_block_sizes` "
         "(decode: 1 token and 4096 keys per block, computed in one 4096-key chunk however few keys a sequence "
-        "has; prefill on its mixed kernel: v5e/v6e 256 / 128 tokens, 1024 / 512 keys, tpu7x 512 / 256 tokens, "
+        "has; a decode of 4 or 8 tokens (speculative decoding) runs its mixed kernel, as vLLM sends it every "
+        "sequence of more than one new token; prefill on its mixed kernel: v5e/v6e 256 / 128 tokens, 1024 / 512 keys, tpu7x 512 / 256 tokens, "
         "2048 / 512 keys, Qwen3's 8 heads per KV head half the tokens), the VMEM limit the chip's whole VMEM. Where "
         "the compiler refuses its defaults (tpu7x, Llama-3 8k and 32k prefill: 72 MiB of VMEM used over the 64 MiB "
         "limit, with our libtpu 0.0.52; tpu-inference pins 0.0.48) it is listed at its query blocks halved, "
@@ -725,7 +743,7 @@ def write(results, generations, cases, out_dir, command):
         "(kvpages: KV pages per block, q: query tokens per block) at a 100 MiB VMEM limit. Page size: "
         "vLLM's default (16 tokens above an 8192 model length, else the length / 16 within [16, 256]); "
         "each sequence holds only the pages its keys fill, as in serving, and RPA copies only those (ours "
-        "reads the filled keys of a static cache in 1024- or 2048-key chunks). Its time includes what its call "
+        "reads the filled keys of a static cache in 1024-key chunks). Its time includes what its call "
         "does beyond ours: writing the step's new K/V into the cache (decode: one token per sequence; "
         "prefill: the prompt's K/V, 32 MiB for Llama-3 8k), the relayouts of q, K / V and the output around "
         "the kernel (XLA ops; Llama-3 8k prefill on v6e: 205 of its 2609 us, its kernel alone 2405), and the "

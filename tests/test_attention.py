@@ -273,6 +273,30 @@ def test_visit_table_matches_the_dense_mask(trial):
         assert rule or trial % 2  # rule ranges: every block rebuilds its ranges from the rule
 
 
+@pytest.mark.parametrize("trial", range(4))
+def test_decode_chunk_spans_match_the_dense_mask(trial):
+    """The decode kernel's table: per batch row exactly the first and last chunk
+    any query sees (an extra chunk would be read for nothing yet masked, so
+    only this test sees it), ``last < first`` for a row that sees no key; from
+    arbitrary ranges (some past the keys, clipped) and ranges ending on chunk
+    edges."""
+    rng = np.random.default_rng(SEED + 100 + trial)
+    b, sq, chunk = 4, int(rng.integers(1, 9)), int(rng.choice([128, 256]))
+    skv = chunk * int(rng.integers(1, 6)) + int(rng.choice([0, 128]))
+    bounds = _random_ranges(rng, b, sq, skv)
+    bounds[0] = [0, 0]  # sees nothing
+    bounds[1, :, 1] = np.clip(bounds[1, :, 0] // chunk * chunk + chunk, 0, skv)  # ends on a chunk edge
+    bounds[2, 0] = [-5, skv + 300]  # outside the keys: clipped to all of them
+    spans = np.asarray(kr.decode_chunk_spans(jnp.asarray(bounds), skv=skv, chunk=chunk)).reshape(b, kr.SPAN_COLUMNS)
+    visible = _ranges_mask(np.clip(bounds, 0, skv), skv)[:, 0].any(axis=1)  # [B, Skv]: keys any query sees
+    for row, (first, last) in enumerate(spans):
+        seen = [c for c in range(-(-skv // chunk)) if visible[row, c * chunk:(c + 1) * chunk].any()]
+        if seen:
+            assert (first, last) == (seen[0], seen[-1]), (row, first, last, seen)
+        else:
+            assert last < first, (row, first, last)
+
+
 def _packed_and_right_padded_mask(b, sq, window=0):
     """Batch row 0: three packed documents (6, 9 and the rest of the tokens);
     row 1: right padding after 7 tokens (padding queries see the real keys);
@@ -655,7 +679,8 @@ def test_decode_kernel_matches_float64_loop(case, kv_splits, monkeypatch):
     """Static caches filled to any length (chunks read partly, the last one
     overlapping the one before when the keys are not a multiple of the chunk:
     640 = 2.5 chunks of 256), windows, soft-capping, sinks, more KV heads than
-    are unrolled at once, a batch row that sees no key; splits merged; the
+    one group computes at once (9: a group of 8 and a tail; with splits, groups
+    of 4), a batch row that sees no key; splits merged; the
     interpreter poisons every output element the kernel never writes."""
     from attention_tpu.attention import flash_decode
     from attention_tpu.common import jax_bridge, pallas_helpers
@@ -663,6 +688,8 @@ def test_decode_kernel_matches_float64_loop(case, kv_splits, monkeypatch):
     shape, start, end, opts = DECODE_CASES[case]
     chunk = 256 if case == "gqa_static_caches" else 128
     monkeypatch.setitem(blocks.DECODE_CHUNKS, "v6e", chunk)
+    if case == "nine_heads_empty_row" and kv_splits:  # heads in a rolled loop of two groups of 4, then a tail of 1
+        monkeypatch.setattr(flash_decode, "HEADS_PER_GROUP", 4)
     calls = []
     monkeypatch.setattr(flash_decode, "decode_attention_with_lse",
                         _recording(flash_decode.decode_attention_with_lse, calls))
@@ -717,14 +744,14 @@ def test_decode_kernel_16_bit_dtypes(dtype, monkeypatch):
 
 
 def test_decode_chunk_rule():
-    """v5e and v6e decode with the decode kernel at 1024-key chunks, tpu7x at 2048; other generations,
+    """v5e, v6e and tpu7x decode with the decode kernel at 1024-key chunks; other generations,
     prefills, key counts that are not multiples of 128 or below one chunk run
     the grid kernel; many KV heads or wide heads halve the chunk to fit VMEM."""
     assert blocks.choose_decode_chunk(4, 32768, kv_heads=8, generation="v6e") == 1024
     assert blocks.choose_decode_chunk(4, 32768, kv_heads=2, head_dim=512, generation="v6e") == 1024
     assert blocks.choose_decode_chunk(4, 32768, kv_heads=64, head_dim=128, generation="v6e") == 256
     assert blocks.choose_decode_chunk(4, 32768, kv_heads=8, generation="v5e") == 1024
-    assert blocks.choose_decode_chunk(4, 32768, kv_heads=8, generation="tpu7x") == 2048
+    assert blocks.choose_decode_chunk(4, 32768, kv_heads=8, generation="tpu7x") == 1024
     for gen in ("v4", "v5p"):
         assert blocks.choose_decode_chunk(4, 32768, kv_heads=8, generation=gen) is None
     assert blocks.choose_decode_chunk(256, 32768, kv_heads=8, generation="v6e") is None  # not a decode

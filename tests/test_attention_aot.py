@@ -121,7 +121,8 @@ def test_split_kv_decode_compiles(generation):
 def test_decode_kernel_compiles(generation, dtype, kv_heads, skv):
     """The decode kernel where the rule picks it: a cache that is not a multiple
     of the chunk (its last copy overlaps the one before) and an MHA model with
-    more KV heads than are unrolled at once (the chunk halved to fit VMEM)."""
+    more KV heads than one group computes at once (four groups of 8 in a rolled
+    loop; the chunk halved to fit VMEM)."""
     chunk = blocks.choose_decode_chunk(32 // kv_heads, skv, kv_heads=kv_heads, itemsize=jnp.dtype(dtype).itemsize,
                                        generation=generation)
     assert chunk is not None and skv % chunk == (384 if kv_heads == 8 else 0)
@@ -133,3 +134,27 @@ def test_decode_kernel_compiles(generation, dtype, kv_heads, skv):
     dt = jnp.dtype(dtype)
     aot.compile_for(generation, fn, ((4, 32, 1, 128), dt), ((4, kv_heads, skv, 128), dt),
                     ((4, kv_heads, skv, 128), dt), ((4,), jnp.int32), ((4,), jnp.int32))
+
+
+@pytest.mark.parametrize("generation", sorted(blocks.DECODE_CHUNKS))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_decode_kernel_compiles_at_its_most_rows(generation, dtype):
+    """The decode kernel's largest tiles: 128 rows (32 tokens of 4 query heads
+    per KV head) of a group of ``HEADS_PER_GROUP`` heads, whose f32 scores are
+    all live at once, fit VMEM beside the double-buffered chunks (16 heads per
+    group did not on v5e)."""
+    from attention_tpu.attention import flash_decode
+
+    skv, hkv, sq = 8192, 16, 32
+    rows = 4 * sq
+    assert rows == blocks.DECODE_MAX_ROWS and hkv >= flash_decode.HEADS_PER_GROUP
+    assert blocks.choose_decode_chunk(rows, skv, kv_heads=hkv, itemsize=jnp.dtype(dtype).itemsize,
+                                      generation=generation)
+
+    def fn(q, k, v, start, end):
+        bounds = key_ranges.rule_key_bounds(start, end, sq=sq, skv=skv, causal=True, window=0)
+        return flash_forward.flash_attention(q, k, v, bounds, causal=True, generation=generation)
+
+    dt = jnp.dtype(dtype)
+    aot.compile_for(generation, fn, ((2, 4 * hkv, sq, 128), dt), ((2, hkv, skv, 128), dt),
+                    ((2, hkv, skv, 128), dt), ((2,), jnp.int32), ((2,), jnp.int32))

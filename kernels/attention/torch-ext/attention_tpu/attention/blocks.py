@@ -145,40 +145,44 @@ merged. On single-core chips a split only adds the merge: one part.
 
 Decode kernel (``choose_decode_chunk``, ``flash_decode``): on v5e, v6e and
 tpu7x a decode (rows <= ``DECODE_MAX_ROWS``, keys a multiple of 128) copies K
-and V itself in chunks of every KV head at once (1024 keys; 2048 on tpu7x),
-only the chunks some row sees, instead of the grid kernel's 4096-key blocks
-(whose last block is read whole in a partly filled static cache). Estimated
-(us; ours / HBM-bound time):
+and V itself in chunks of every KV head at once (1024 keys), only the chunks
+some row sees, instead of the grid kernel's 4096-key blocks (whose last block
+is read whole in a partly filled static cache). Estimated (us; ours /
+HBM-bound time), the decode kernel computing each chunk's scores of up to 8
+KV heads before their softmax steps (``flash_decode``, "Heads"); the 1024 rows
+with its chunk spans (``key_ranges.decode_chunk_spans``), the 2048 rows
+before them (0.4-0.6 us more of XLA ops):
 
 ==========================================  =============  ============  ============  ============
 case                                        kernel         v5e           v6e           tpu7x
 ==========================================  =============  ============  ============  ============
 Llama-3-8B decode, batch 8, 32k cache full  grid 4 x 4096  1314 (1.00)   657 (1.00)    393 (1.35)
-                                            decode 1024    1312 (1.00)   657 (1.00)    547 (1.88)
-                                            decode 2048    1312 (1.00)   656 (1.00)    363 (1.25)
+                                            decode 1024    1312 (1.00)   655 (1.00)    292 (1.00)
+                                            decode 2048    1312 (1.00)   656 (1.00)    292 (1.00)
   same, 2k of 32k filled                    grid 4 x 4096  166 (2.03)    84.1 (2.05)   50.7 (2.78)
-                                            decode 1024    83.1 (1.01)   42.8 (1.05)   35.6 (1.95)
-                                            decode 2048    83.1 (1.01)   42.0 (1.02)   24.1 (1.32)
+                                            decode 1024    82.7 (1.01)   41.4 (1.01)   18.6 (1.02)
+                                            decode 2048    83.1 (1.01)   42.0 (1.02)   19.1 (1.05)
   batch 8, 3k of an 8k cache                grid 4 x 4096  166 (1.38)    84.1 (1.40)   50.7 (1.90)
-                                            decode 1024    124 (1.03)    63.3 (1.06)   52.6 (1.97)
-                                            decode 2048    165 (1.37)    82.9 (1.38)   46.7 (1.75)
+                                            decode 1024    124 (1.03)    61.9 (1.03)   27.7 (1.04)
+                                            decode 2048    165 (1.37)    82.9 (1.38)   37.3 (1.40)
 Gemma-4 global decode, 32k full (D 512)     grid 4 x 4096  168 (1.03)    84.8 (1.04)   39.0 (1.07)
-                                            decode 1024    166 (1.01)    82.8 (1.01)   37.2 (1.02)
+                                            decode 1024    164 (1.00)    82.3 (1.01)   36.8 (1.01)
                                             decode 2048    166 (1.01)    82.8 (1.01)   37.2 (1.02)
 ==========================================  =============  ============  ============  ============
 
-Where the chunk is the tradeoff: v5e and v6e are HBM-bound at 1024 keys, and
+Where the chunk is the tradeoff: every chip is HBM-bound at 1024 keys, and
 longer chunks only read more of a partly filled cache (3k of 8k: 3072 keys
-read at 1024, 4096 at 2048). tpu7x (2.25x v6e's HBM bandwidth per core)
-computes slower than 1024-key copies arrive (a [rows, 1024] tile per head
-costs more MXU time per key than a longer one: about 590 cycles per 1024
-keys against 430 in the grid kernel's 4096-key tiles), so it takes 2048.
-Chunks of 512 lose to the loop's per-iteration cost (v6e: 1.66x on the full
-cache). Heads are unrolled in the chunk loop: rolled, the full cache reads
-745 us on tpu7x at 1024 (546 unrolled). Computing the scores as K q^T (K
+read at 1024, 4096 at 2048). On tpu7x (2.25x v6e's HBM bandwidth per core)
+the copies leave the least slack: at 1024 keys the chunk loop computes for
+213 of the full cache's 292 us; at 512, for 276 (292 us, 3k of 8k 28.2 as at
+1024), too close to the copies to be worth the few keys it saves. Before the
+heads' scores came first, tpu7x computed slower than 1024-key copies arrive
+(547 us on the full cache at 1024, 363 at 2048, which it then took: 3k of 8k
+46.7 us, 2k of 32k 24.1). Chunks of 512 lost to the loop's per-iteration
+cost on v6e then (1.66x on the full cache). Computing the scores as K q^T (K
 streamed through the MXU, the few query rows as its weights) and transposing
-them costs more than it saves (tpu7x 822 us at 1024). v4 and v5p (not
-estimated) keep the grid kernel.
+them cost more than it saved (tpu7x 822 us at 1024, heads whole). v4 and v5p
+(not estimated) keep the grid kernel.
 
 Callers may pass their own sizes (``block_sizes=``, a pair or a ``BlockSizes``,
 checked where the kernels are entered) and splits (``kv_splits=``).
@@ -196,8 +200,9 @@ WINDOW_BLOCK = 512
 DECODE_MAX_ROWS = 128
 DECODE_BLOCK_K = 4096
 # Keys per copy of the decode kernel, by generation; a generation missing here
-# decodes with the grid kernel (see the module docstring's decode table).
-DECODE_CHUNKS = {"v5e": 1024, "v6e": 1024, "tpu7x": 2048}
+# decodes with the grid kernel (see the module docstring's decode table: tpu7x
+# took 2048 until the decode kernel computed its heads' scores first).
+DECODE_CHUNKS = {"v5e": 1024, "v6e": 1024, "tpu7x": 1024}
 MIN_BLOCK_K = 512
 COMPUTE_BLOCK_K = 512
 FORWARD_COMPUTE_ROWS = 512

@@ -8,15 +8,47 @@ must be long (4096 keys) to hide it; but the last block of a partly filled
 static cache is then read whole (2k of a 32k cache: 2.05x the HBM-bound time
 on v6e). Here K and V stay in HBM (``pl.ANY``) and the kernel copies them
 itself in ``chunk``-key pieces (``blocks.choose_decode_chunk``: v5e, v6e, tpu7x), double
-buffered, only the chunks some row sees (the visit table at chunk
-granularity, ``key_ranges``): at most ``chunk - 1`` keys are read for
-nothing, and a loop iteration costs far less than a grid step.
+buffered, only the chunks some row sees (per batch row the first and last,
+``key_ranges.decode_chunk_spans``): at most ``chunk - 1`` keys are read for
+nothing, and a loop iteration costs far less than a grid step. Those spans
+and the rows' ranges are all the XLA work around the kernel besides q's and
+the output's relayouts (estimated 0.3-0.4 us of XLA ops, against 0.8-1.0
+with the grid kernel's visit table and rule fit: Llama-3-8B decode, batch
+8, 2k of a 32k cache, tpu7x 19.1 -> 18.6 us, v6e 42.0 -> 41.4).
 
 Layout. One grid step per (batch row, KV split): q ``[Hkv, rows, D]`` (rows
 = G * Sq, the head group's query rows, as in the forward) and one loop over
 the chunks some row sees; each chunk is copied for every KV head at once (one
-strided copy each of K and V) and its heads are computed unrolled, so their
-dependency chains interleave. All heads of a batch row share its key ranges.
+strided copy each of K and V). All heads of a batch row share its key ranges.
+
+Heads. A chunk computes the scores of a group of ``HEADS_PER_GROUP`` KV heads
+first, then each head's softmax step and P V product. A decode tile has a few
+rows, so its matmuls cost what pushing K and V into the MXU as weights costs
+(tpu7x: a transposed K push every 8 cycles per MXU, a V push every 4); the
+MXU takes its ops in program order, so with each head computed whole
+(scores, softmax, P V, then the next head) the MXU sat idle through every
+head's softmax (60% of the chunk loop's bundles empty). Scores first, head
+h + 1's K pushes run while head h's softmax computes. Estimated (llama3-8b,
+batch 8, full 32k cache, 8 KV heads; us, the chunk loop's compute alone in
+parentheses where the copies hide it; HBM-bound 291.4), tpu7x:
+
+=====================================  ==========  ==========
+heads                                  1024 keys   2048 keys
+=====================================  ==========  ==========
+each whole, unrolled (before)          547         363
+scores first, groups of 2              445         298
+scores first, groups of 4              296 (295)   292 (219)
+scores first, groups of 8              292 (213)   292 (196)
+=====================================  ==========  ==========
+
+Not 16: with more KV heads they leave the copies more slack (32 KV heads,
+one row each, full 32k cache: tpu7x computes for 877 of 1166 us against 1098
+at 8, HBM-bound either way; v6e 1092 / 1337 of 2619), but a group's f32
+scores are live at once, and 16 of 128 rows (32 tokens of 4 query heads per
+KV head) overflow VMEM on v5e and v6e. At 128 rows tpu7x is compute-bound
+(Llama-3-8B, 32 tokens: 424 us against 292 HBM-bound; the grid kernel 601).
+v6e and v5e were HBM-bound before and stay so (v6e after: the chunk loop computes
+for 265 of its 655 us).
 
 Chunks. Chunk ``c`` covers keys ``[c * chunk, (c + 1) * chunk)``; its copy
 starts at ``min(c * chunk, Skv - chunk)`` so that it never reads past the
@@ -50,14 +82,14 @@ from . import key_ranges as kr
 from .softmax_tiles import STAT_LANES, finished_rows, online_softmax_step, tile_scores
 
 COPY_ALIGN = 128  # chunk copies start on whole (16, 128) / (8, 128) HBM tiles
-HEADS_UNROLLED = 8  # KV heads computed per unrolled group of a chunk's loop
+HEADS_PER_GROUP = 8  # KV heads whose scores a chunk computes before their softmax steps
 
 
-def _decode_kernel(table_ref, q_ref, bounds_ref, k_hbm, v_hbm, o_ref, lse_ref, k_buf, v_buf, sems, m_ref, l_ref,
+def _decode_kernel(spans_ref, q_ref, bounds_ref, k_hbm, v_hbm, o_ref, lse_ref, k_buf, v_buf, sems, m_ref, l_ref,
                    acc_ref, *, chunk: int, skv: int, heads: int, splits: int, softcap: float, scale: float):
     b, split = pl.program_id(0), pl.program_id(1)
-    first = table_ref[b * kr.TABLE_COLUMNS + kr.FIRST]
-    count = jnp.maximum(table_ref[b * kr.TABLE_COLUMNS + kr.LAST] - first + 1, 0)
+    first = spans_ref[b * kr.SPAN_COLUMNS + kr.SPAN_FIRST]
+    count = jnp.maximum(spans_ref[b * kr.SPAN_COLUMNS + kr.SPAN_LAST] - first + 1, 0)
     per_split = lax.div(count + splits - 1, jnp.int32(splits))  # lax: Python's // lowers through sign
     own_first = first + split * per_split
     chunks = jnp.clip(count - split * per_split, 0, per_split)  # this split's chunks
@@ -97,13 +129,27 @@ def _decode_kernel(table_ref, q_ref, bounds_ref, k_hbm, v_hbm, o_ref, lse_ref, k
         keys = copy_start(c) + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
         visible = (keys >= jnp.maximum(lo, c * chunk)) & (keys < hi)
 
-        def head_step(h, carry):  # heads unrolled: their dependency chains interleave
-            s = tile_scores(load(q_ref.at[h]), load(k_buf.at[slot, h]), softcap=softcap, scale=scale)
-            online_softmax_step(jnp.where(visible, s, -jnp.inf), load(v_buf.at[slot, h]), m_ref.at[h], l_ref.at[h],
-                                acc_ref.at[h], masked=True, exp=exp)
+        def heads_step(first_head, count):
+            # Every head's scores before any head's softmax: the MXU takes its
+            # ops in program order, so head h + 1's K pushes then run while
+            # head h's softmax computes (module docstring, "Heads").
+            hs = [first_head + j for j in range(count)]
+            scores = [tile_scores(load(q_ref.at[h]), load(k_buf.at[slot, h]), softcap=softcap, scale=scale)
+                      for h in hs]
+            for h, s in zip(hs, scores):
+                online_softmax_step(jnp.where(visible, s, -jnp.inf), load(v_buf.at[slot, h]), m_ref.at[h],
+                                    l_ref.at[h], acc_ref.at[h], masked=True, exp=exp)
+
+        group = min(heads, HEADS_PER_GROUP)
+        full_groups, tail = divmod(heads, group)
+
+        def group_step(g, carry):
+            heads_step(g * group, group)
             return carry
 
-        lax.fori_loop(0, heads, head_step, 0, unroll=min(heads, HEADS_UNROLLED))
+        lax.fori_loop(0, full_groups, group_step, 0)
+        if tail:
+            heads_step(full_groups * group, tail)
         return carry
 
     lax.fori_loop(0, chunks, step, 0)
@@ -114,16 +160,16 @@ def _decode_kernel(table_ref, q_ref, bounds_ref, k_hbm, v_hbm, o_ref, lse_ref, k
         lse_ref[h] = lse
         return carry
 
-    lax.fori_loop(0, heads, store, 0, unroll=min(heads, HEADS_UNROLLED))
+    lax.fori_loop(0, heads, store, 0, unroll=min(heads, HEADS_PER_GROUP))
 
 
-def decode_attention_with_lse(q, k, v, bounds, table, *, chunk: int, splits: int, softcap: float, scale: float,
+def decode_attention_with_lse(q, k, v, bounds, spans, *, chunk: int, splits: int, softcap: float, scale: float,
                               generation: str | None, interpret=False):
     """``(out [B, Hkv, splits, rows, Dv], lse [B, Hkv, splits, rows, 1])`` (f32
     partials when ``splits > 1``, else ``out`` in the kernel's dtype of q) of
-    q viewed as ``[B, Hkv, rows, D]``. ``bounds [B, rows, 2]`` and ``table``
-    (the visit table of one ``rows``-row query block at ``chunk``-key blocks)
-    are ``key_ranges.ranges_and_table``'s."""
+    q viewed as ``[B, Hkv, rows, D]``. ``bounds [B, rows, 2]``: the rows' key
+    ranges (``key_ranges.row_bounds``); ``spans``: the chunks each batch row
+    sees (``key_ranges.decode_chunk_spans`` at ``chunk``)."""
     batch, hkv, rows, d = q.shape
     skv, dv = v.shape[2], v.shape[3]
     if skv < chunk or skv % COPY_ALIGN or chunk % COPY_ALIGN:
@@ -156,5 +202,5 @@ def decode_attention_with_lse(q, k, v, bounds, table, *, chunk: int, splits: int
         compiler_params=compiler_params(generation, ("parallel", "parallel")),
         interpret=interpret,
         name="flash_attention_decode",
-    )(table, q_bits, bounds, k_bits, v_bits)
+    )(spans, q_bits, bounds, k_bits, v_bits)
     return jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2)

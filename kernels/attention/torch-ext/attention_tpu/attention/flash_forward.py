@@ -211,15 +211,17 @@ def flash_attention_with_lse(q, k, v, key_bounds, sinks=None, *, causal: bool = 
             lse = per_row(sinks.astype(jnp.float32), batch, hkv, hq // hkv, sq)
         return jnp.zeros((batch, hq, sq, dv), q.dtype), lse
     plan = forward_plan(q, k, v, block_sizes, kv_splits, generation, causal, window)
-    compute_blocks = None if plan.decode_chunk else blocks_lib.forward_compute_blocks(plan.block_q, plan.block_k)
-    bounds, start, end, table, *sub_table = kr.ranges_and_table(
-        key_bounds, hq // hkv, sq=sq, skv=skv, causal=causal, window=window, num_q_blocks=plan.num_q_blocks,
-        block_q=plan.block_q, block_k=plan.block_k, compute_blocks=compute_blocks)
     if plan.decode_chunk:
+        bounds = kr.row_bounds(jnp.clip(jnp.asarray(key_bounds, jnp.int32), 0, skv), hq // hkv)
+        spans = kr.decode_chunk_spans(key_bounds, skv=skv, chunk=plan.decode_chunk)
         out, lse = flash_decode.decode_attention_with_lse(
-            q.reshape(batch, hkv, rows, d), k, v, bounds, table, chunk=plan.decode_chunk, splits=plan.splits,
+            q.reshape(batch, hkv, rows, d), k, v, bounds, spans, chunk=plan.decode_chunk, splits=plan.splits,
             softcap=softcap, scale=scale, generation=generation, interpret=interpret)
     else:
+        compute_blocks = blocks_lib.forward_compute_blocks(plan.block_q, plan.block_k)
+        bounds, start, end, table, *sub_table = kr.ranges_and_table(
+            key_bounds, hq // hkv, sq=sq, skv=skv, causal=causal, window=window, num_q_blocks=plan.num_q_blocks,
+            block_q=plan.block_q, block_k=plan.block_k, compute_blocks=compute_blocks)
         out, lse = _grid_forward(q, k, v, key_bounds, bounds, start, end, table, *sub_table, plan, causal=causal,
                                  window=window, softcap=softcap, scale=scale, generation=generation,
                                  interpret=interpret)

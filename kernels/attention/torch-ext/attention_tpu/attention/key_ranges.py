@@ -24,7 +24,9 @@ of its rows can see and those every row sees whole; grid steps outside the
 first do no MXU work (``pl.when``) and their K/V index maps are clamped into
 it, so the block already in VMEM is reused and no DMA starts. Whole blocks
 skip the mask; masked blocks whose rows all follow the rule rebuild their
-ranges from iotas (``rule_row_bounds``) instead of reading them.
+ranges from iotas (``rule_row_bounds``) instead of reading them. The decode
+kernel needs only the first and last chunk per batch row
+(``decode_chunk_spans``).
 
 jax is imported at first use (``_Lazy``): the torch side (``masks``) takes the
 rule from here, and the CPU path runs without jax.
@@ -169,6 +171,28 @@ def ranges_and_table(key_bounds, group: int, *, sq: int, skv: int, causal: bool,
     sub_table = visit_table(bounds, num_q_blocks=num_q_blocks * (block_q // sub_q), block_q=sub_q, block_k=sub_k,
                             rows=group * sq, fits=jnp.tile(fits, (1, group)))
     return bounds, start, end, table, sub_table
+
+
+# Columns of the decode kernel's per-batch-row table (``decode_chunk_spans``).
+SPAN_FIRST, SPAN_LAST = range(2)
+SPAN_COLUMNS = 2
+
+
+def decode_chunk_spans(key_bounds, *, skv: int, chunk: int):
+    """int32 ``[B * 2]``: per batch row the first and last ``chunk``-key chunk
+    any of its queries sees (``last < first``: none), straight from the ranges
+    ``key_bounds [B, Sq, 2]`` (the G heads of a group share them): what the
+    decode kernel walks, without the rule fit and the whole-block columns of
+    ``visit_table`` (fewer XLA ops around a kernel of a few microseconds)."""
+    key_bounds = jnp.clip(jnp.asarray(key_bounds, jnp.int32), 0, skv)
+    lo, hi = key_bounds[..., 0], key_bounds[..., 1]
+    sees = hi > lo
+    any_lo = jnp.min(jnp.where(sees, lo, skv), axis=1)
+    any_hi = jnp.max(jnp.where(sees, hi, 0), axis=1)
+    some = any_hi > any_lo
+    first = jnp.where(some, any_lo // chunk, 0)
+    last = jnp.where(some, (any_hi - 1) // chunk, -1)
+    return jnp.stack([first, last], axis=-1).astype(jnp.int32).reshape(-1)
 
 
 def query_block_ranges(table, *, num_q_blocks: int, num_kv_blocks: int):
