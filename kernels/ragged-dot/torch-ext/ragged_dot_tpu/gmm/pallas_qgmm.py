@@ -226,6 +226,87 @@ def _dequantize_mxfp4(values_ref, scales_ref, wq_ref, *, tn, tk, half, valid):
     _for_row_blocks(tn, block)
 
 
+# mxfp4 at decode (``tiling.mxfp4_stacked``): e2m1 nibbles become e4m3 bytes
+# by bit operations on uint32 words (4 packed bytes, 8 nibbles a word):
+# byte = sign << 7 | magnitude << 2 has the value e2m1 * 2**-6 exactly
+# (magnitudes >= 2 land on e4m3 normals; magnitude 1, e2m1 0.5, on the e4m3
+# subnormal 2**-7, see the module docstring for that assumption). The lhs is
+# multiplied by 2**6 instead (exact in bf16).
+E4M3_SIGNS = 0x80808080
+E4M3_MAGNITUDES = 0x1C1C1C1C
+E2M1_TO_E4M3_FACTOR = 64.0  # 2**6
+# Packed bytes (lanes) sharing one e8m0 scale, and scale blocks per 128 lanes.
+MXFP4_BLOCK_BYTES = MXFP4_BLOCK // 2
+MXFP4_BLOCKS_PER_LANE_GROUP = 128 // MXFP4_BLOCK_BYTES  # 8
+# Rows the stacked decode path computes at once (the f32 sublane tile): its
+# cost grows with the rows, 8 x rows of lhs per MXU push (see below).
+MXFP4_STACKED_ROW_CHUNK = 8
+
+
+def _e2m1_to_e4m3_bits(words, high: bool):
+    """e4m3 bits of the low (``high``: high) nibbles of the 4 bytes of each
+    uint32 word: 5 (4) word operations for 4 weights."""
+    u = jnp.uint32
+    if high:
+        return (words & u(E4M3_SIGNS)) | ((words >> u(2)) & u(E4M3_MAGNITUDES))
+    return ((words << u(4)) & u(E4M3_SIGNS)) | ((words << u(2)) & u(E4M3_MAGNITUDES))
+
+
+def _mxfp4_scale_rows(scales_ref, k_i, *, tk, k):
+    """``[tk/32, tn]`` float32: row j holds the e8m0 scale of the tile's K
+    block j for every output column, transposed from the ``[tn, tk/32]``
+    scale block by one small matmul with an identity (the codes 0..255 are
+    exact in bf16, each output is one code times 1); codes past K (a split
+    K's last tile: stale VMEM) are zeroed first."""
+    codes = scales_ref[...].astype(jnp.int32)  # [tn, tk/32]
+    blocks = codes.shape[1]
+    if k % tk:
+        first_past = cdiv(k - k_i * tk, MXFP4_BLOCK)
+        codes = jnp.where(lax.broadcasted_iota(jnp.int32, codes.shape, 1) < first_past, codes, 0)
+    eye = (lax.broadcasted_iota(jnp.int32, (blocks, blocks), 0)
+           == lax.broadcasted_iota(jnp.int32, (blocks, blocks), 1)).astype(jnp.bfloat16)
+    codes_t = dot_f32(eye, codes.astype(jnp.float32).astype(jnp.bfloat16), 1, 1)  # [tk/32, tn]
+    return quantized.e8m0_to_f32(codes_t.astype(jnp.int32))
+
+
+def _mxfp4_stacked_dot(x, values_ref, scale_rows_ref, *, packed_cols: int, half: int):
+    """``x @ dequantize(tile)^T`` (``x``: [rows, 2 * half] bf16, even k |
+    odd k) with each e8m0 scale on the f32 partial product of its 32-wide K
+    block. Per 128 packed lanes (8 blocks): the e4m3 tiles of the low and the
+    high nibbles side by side ([tn, 256], the same 8 blocks), pushed into the
+    MXU once against the lhs stacked 8 times, copy j keeping block j's lanes
+    only ([8 rows, 256]): the product's row block j is block j's partial
+    product, times its scale row. ``rows x tn`` products a block instead of
+    ``32 x tn`` weights scaled, rounded and stored."""
+    rows = x.shape[0]
+    x = x * jnp.asarray(E2M1_TO_E4M3_FACTOR, x.dtype)  # exact: a power of two
+    total = None
+    for c0 in range(0, packed_cols, 128):
+        width = min(128, packed_cols - c0)
+        words = pltpu.bitcast(values_ref[:, c0:c0 + width], jnp.uint32)  # [tn / 4, width]
+        tiles = [lax.bitcast_convert_type(pltpu.bitcast(_e2m1_to_e4m3_bits(words, high), jnp.uint8),
+                                          jnp.float8_e4m3fn) for high in (False, True)]
+        xs = [x[:, c0:c0 + width], x[:, half + c0:half + c0 + width]]
+        blocks = width // MXFP4_BLOCK_BYTES
+
+        def stacked(xh):  # [blocks * rows, width]: copy j keeps block j's lanes
+            # (lax.div: a traced // lowers through sign, which Mosaic cannot lower off a TPU host)
+            lane_block = lax.div(lax.broadcasted_iota(jnp.int32, (blocks * rows, width), 1), MXFP4_BLOCK_BYTES)
+            row_block = lax.div(lax.broadcasted_iota(jnp.int32, (blocks * rows, width), 0), rows)
+            return jnp.where(lane_block == row_block, jnp.tile(xh, (blocks, 1)), jnp.zeros((), xh.dtype))
+
+        if width == 128:  # one 256-deep push: the MXU adds the two halves' products
+            part = dot_f32(jnp.concatenate([stacked(xh) for xh in xs], axis=1),
+                           jnp.concatenate(tiles, axis=1), 1, 1)
+        else:  # a whole K's partial last lane group
+            part = dot_f32(stacked(xs[0]), tiles[0], 1, 1) + dot_f32(stacked(xs[1]), tiles[1], 1, 1)
+        for j in range(blocks):
+            row = c0 // MXFP4_BLOCK_BYTES + j
+            term = part[j * rows:(j + 1) * rows] * scale_rows_ref[pl.ds(row, 1), :]
+            total = term if total is None else total + term
+    return total
+
+
 def dequantizing_visits(seg, num_local: int, tiles_k: int):
     """1 for the visits that dequantize their weight tile, 0 for those that
     reuse the one in VMEM: a local visit following a visit of the same group
@@ -246,6 +327,7 @@ def _qgmm_kernel(
     acc_ref, wq_ref, *expanded_ref,  # f32 accumulator, dequantized tile, fp8: expanded scales
     weight_format: str, tm: int, tn: int, tk: int, k: int, tiles_n: int, tiles_k: int,
     num_segments: int, row_chunk: int, half: int, fp8_sliced: bool, e4m3_into_mxu: bool,
+    mxfp4_stacked: bool,
 ):
     n_i, v, k_i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seg = seg_ref[v]
@@ -268,6 +350,8 @@ def _qgmm_kernel(
     def _dequantize():
         if fp8_sliced:
             expanded_ref[0][...] = _fp8_slice_scales(scales_ref, n_i, tn=tn)
+        elif mxfp4_stacked:
+            expanded_ref[0][:tk // MXFP4_BLOCK, :] = _mxfp4_scale_rows(scales_ref, k_i, tk=tk, k=k)
         elif weight_format == "mxfp4":
             _dequantize_mxfp4(values_ref, scales_ref, wq_ref, tn=tn, tk=tk, half=half, valid=valid)
         else:
@@ -287,6 +371,10 @@ def _qgmm_kernel(
         if fp8_sliced:
             acc_ref[rows, :] += _fp8_sliced_dot(x, values_ref, expanded_ref[0], k_i, tk=tk, k=k,
                                                   e4m3_into_mxu=e4m3_into_mxu)
+            return
+        if mxfp4_stacked:
+            acc_ref[rows, :] += _mxfp4_stacked_dot(x, values_ref, expanded_ref[0], packed_cols=tk // 2,
+                                                   half=half)
             return
         w = values_ref[...] if weight_format == "int8" else wq_ref[...]
         acc_ref[rows, :] += dot_f32(x, w, 1, 1)
@@ -327,6 +415,10 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
         group_sizes, group_offset, num_local, m=m, tm=tm)
     dequantize = dequantizing_visits(seg, num_local, tiles_k)
     fp8_sliced = weight_format == "fp8" and tiling_lib.fp8_sliced(m, num_local, tm)
+    # the device's own generation when none is given: on a v4 the e4m3 dot would not compile
+    e4m3_into_mxu = (generation or tiling_lib.tpu_generations.current_generation()) in FP8_MXU_GENERATIONS
+    mxfp4_stacked = (weight_format == "mxfp4" and e4m3_into_mxu and lhs.dtype == jnp.bfloat16
+                     and tiling_lib.mxfp4_stacked(m, num_local, tm, tn))
 
     if weight_format == "mxfp4":
         lhs = quantized.split_even_odd(lhs, tk, tiles_k, half)
@@ -358,10 +450,9 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
 
     kernel = functools.partial(
         _qgmm_kernel, weight_format=weight_format, tm=tm, tn=tn, tk=tk, k=k, tiles_n=tiles_n,
-        tiles_k=tiles_k, num_segments=num_local + 2, row_chunk=tiling_lib.row_chunk(tm, generation),
-        half=half, fp8_sliced=fp8_sliced,
-        # the device's own generation when none is given: on a v4 the e4m3 dot would not compile
-        e4m3_into_mxu=(generation or tiling_lib.tpu_generations.current_generation()) in FP8_MXU_GENERATIONS)
+        tiles_k=tiles_k, num_segments=num_local + 2,
+        row_chunk=min(MXFP4_STACKED_ROW_CHUNK, tm) if mxfp4_stacked else tiling_lib.row_chunk(tm, generation),
+        half=half, fp8_sliced=fp8_sliced, e4m3_into_mxu=e4m3_into_mxu, mxfp4_stacked=mxfp4_stacked)
     fmt = quant_formats.weight_format(weight_format)
     cost = pl.CostEstimate(
         flops=2 * m * k * n, transcendentals=0,
@@ -377,8 +468,10 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
             num_scalar_prefetch=6, grid=(tiles_n, num_visits, tiles_k),
             in_specs=[lhs_spec, values_spec, scales_spec], out_specs=out_spec,
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32),
-                            pltpu.VMEM((8, 128) if weight_format == "int8" or fp8_sliced else (tn, tkw), lhs.dtype)]
+                            pltpu.VMEM((8, 128) if weight_format == "int8" or fp8_sliced or mxfp4_stacked
+                                       else (tn, tkw), lhs.dtype)]
             + ([pltpu.VMEM((scales.shape[1], tn), jnp.float32)] if fp8_sliced else
+               [pltpu.VMEM((-(-(tk // MXFP4_BLOCK) // 8) * 8, tn), jnp.float32)] if mxfp4_stacked else
                [pltpu.VMEM((-(-cdiv(tn, FP8_BLOCK) // 8) * 8, tk), jnp.float32)] if weight_format == "fp8" else []),
         ),
         compiler_params=compiler_params(generation, ("parallel", "arbitrary", "arbitrary"),

@@ -326,6 +326,20 @@ def fp8_sliced(m: int, num_groups: int, tm: int) -> bool:
     return tm <= 128 and rows_per_group(m, num_groups) <= FP8_SLICED_ROWS_PER_GROUP
 
 
+# mxfp4 at decode (groups averaging at most MXFP4_STACKED_ROWS_PER_GROUP rows)
+# pushes e4m3 tiles into the MXU with each e8m0 scale on a partial product
+# (pallas_qgmm, "stacked"), at a cost growing with the rows of a visit (8
+# rows at a time), in row tiles of MXFP4_DECODE_TM rows; the output tile's
+# rows must fill whole uint32 words (tn % 32: the bitcast of its bytes).
+MXFP4_STACKED_ROWS_PER_GROUP = 16
+MXFP4_DECODE_TM = 16
+
+
+def mxfp4_stacked(m: int, num_groups: int, tm: int, tn: int) -> bool:
+    """Whether the mxfp4 kernel takes its stacked decode path (pallas_qgmm)."""
+    return tm <= MXFP4_DECODE_TM and tn % 32 == 0 and rows_per_group(m, num_groups) <= MXFP4_STACKED_ROWS_PER_GROUP
+
+
 # Columns the quantized kernel dequantizes at a time, per 32-row block (its
 # f32 temporaries).
 QUANT_CHUNK = 1024
@@ -383,6 +397,8 @@ def choose_quantized_tiling(weight_format: str, m: int, k: int, n: int, num_grou
     if (weight_format == "fp8" and fp8_sliced(m, num_groups, tm)
             and rows_per_group(m, num_groups) <= FP8_DECODE_TM_ROWS_PER_GROUP):
         tm = min(tm, FP8_DECODE_TM)
+    if weight_format == "mxfp4" and rows_per_group(m, num_groups) <= MXFP4_STACKED_ROWS_PER_GROUP:
+        tm = min(tm, MXFP4_DECODE_TM)
     return Tiling(tm, tk, balanced_tile(n, t.tn, gen.mxu if t.tn >= gen.mxu else 128))
 
 
