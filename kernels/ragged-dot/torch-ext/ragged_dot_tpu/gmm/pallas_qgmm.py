@@ -258,14 +258,15 @@ def _mxfp4_scale_rows(scales_ref, k_i, *, tk, k):
     scale block by one small matmul with an identity (the codes 0..255 are
     exact in bf16, each output is one code times 1); codes past K (a split
     K's last tile: stale VMEM) are zeroed first."""
-    codes = scales_ref[...].astype(jnp.int32)  # [tn, tk/32]
+    codes = scales_ref[...].astype(jnp.bfloat16)  # [tn, tk/32]
     blocks = codes.shape[1]
     if k % tk:
         first_past = cdiv(k - k_i * tk, MXFP4_BLOCK)
-        codes = jnp.where(lax.broadcasted_iota(jnp.int32, codes.shape, 1) < first_past, codes, 0)
+        codes = jnp.where(lax.broadcasted_iota(jnp.int32, codes.shape, 1) < first_past, codes,
+                          jnp.zeros((), codes.dtype))
     eye = (lax.broadcasted_iota(jnp.int32, (blocks, blocks), 0)
            == lax.broadcasted_iota(jnp.int32, (blocks, blocks), 1)).astype(jnp.bfloat16)
-    codes_t = dot_f32(eye, codes.astype(jnp.float32).astype(jnp.bfloat16), 1, 1)  # [tk/32, tn]
+    codes_t = dot_f32(eye, codes, 1, 1)  # [tk/32, tn]
     return quantized.e8m0_to_f32(codes_t.astype(jnp.int32))
 
 
