@@ -36,15 +36,40 @@ format:
   expert's whole ``[N/128, K/128]`` scale block (a few KB, fetched once per
   expert) and expands its rows along K by one small one-hot matmul
   (``_expand_fp8_scales``).
-* mxfp4: e2m1 codes and e8m0 exponents decoded from bits, their product is
-  exact in bf16. The two nibbles of a byte are k = 2j and 2j + 1; rather than
-  interleave lanes in VMEM, the wrapper reorders lhs per K tile into [even k
-  | odd k] (each half padded to whole lanes) and the kernel writes the
-  dequantized tile as [low nibbles | high nibbles]: the contraction is the
-  same sum. The e8m0 scale of 16 bytes is repeated along lanes by one
-  in-vreg lane gather per 128 columns. Decoding is VPU work of about ten
-  operations a weight: estimated v6e Qwen3-30B-A3B 8 tokens 609 us, bf16
-  293 us.
+* mxfp4 at decode (``tiling.mxfp4_stacked``: bf16 lhs, at most 16 rows a
+  group, row tiles of 16 computed 8 rows at a time, on the generations of
+  ``FP8_MXU_GENERATIONS``): no dequantized copy. Each e2m1 nibble becomes an
+  e4m3 byte by bit operations on uint32 words (4 packed bytes, 8 nibbles:
+  ``_e2m1_to_e4m3_bits``, 9 word operations for 8 weights): ``sign << 7 |
+  magnitude << 2``, whose value is the e2m1 value times 2**-6 exactly; the
+  lhs is multiplied by 2**6 instead (exact in bf16). The low nibbles' tile
+  (even k) and the high nibbles' (odd k) go into one 256-deep MXU push per
+  128 packed lanes, against the lhs stacked 8 times, copy j keeping the
+  lanes of 32-wide K block j: row block j of the product is block j's f32
+  partial product, multiplied by its e8m0 scale row (``_mxfp4_stacked_dot``;
+  the scale rows ``[K/32, tn]`` come from the ``[tn, K/32]`` codes by one
+  identity matmul per column tile and group, ``_mxfp4_scale_rows``). Exact
+  products, f32 sums. Assumption, unverified without a TPU: e2m1 0.5 lands
+  on the e4m3 subnormal 2**-7 (all other codes on normals), and the MXU is
+  taken to multiply e4m3 subnormals exactly as the format defines them (a
+  subnormal-free mapping, ``(q << 2) + 0x30`` with 0 and 0.5 special-cased,
+  costs about 18 word operations a nibble half instead of 5: estimated
+  4459 cycles instead of 1876 for a 1536 x 2048 tile, VPU-bound). Partial
+  products times scales below 2**-126 flush to zero (the VPU), as the
+  dequantized tile's products do. A scale code 255 (NaN in the OCP format)
+  reads inf. Estimated v6e, the layer (bench_quantized_estimates): see
+  ``tiling.MXFP4_STACKED_ROWS_PER_GROUP``.
+* mxfp4 otherwise (prefill, f32 lhs, v4): e2m1 codes and e8m0 exponents
+  decoded from bits, their product is exact in bf16, written to the
+  dequantized tile. The e8m0 scale of 16 bytes is repeated along lanes by
+  one in-vreg lane gather per 128 columns. Decoding is VPU work of about ten
+  operations a weight: estimated v6e Qwen3-30B-A3B 8 tokens 609 us when
+  decode took this path (bf16 293 us).
+
+Both mxfp4 paths: the two nibbles of a byte are k = 2j and 2j + 1; rather
+than interleave lanes in VMEM, the wrapper reorders lhs per K tile into
+[even k | odd k] (each half padded to whole lanes) and the kernel contracts
+it with [low nibbles | high nibbles]: the same sum.
 """
 
 from __future__ import annotations
