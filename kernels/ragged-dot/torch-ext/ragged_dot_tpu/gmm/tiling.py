@@ -330,8 +330,15 @@ def fp8_sliced(m: int, num_groups: int, tm: int) -> bool:
 # pushes e4m3 tiles into the MXU with each e8m0 scale on a partial product
 # (pallas_qgmm, "stacked"), at a cost growing with the rows of a visit (8
 # rows at a time), in row tiles of MXFP4_DECODE_TM rows; the output tile's
-# rows must fill whole uint32 words (tn % 32: the bitcast of its bytes).
-MXFP4_STACKED_ROWS_PER_GROUP = 16
+# rows must fill whole uint32 words (tn % 32: the bitcast of its bytes). The
+# dequantized tile costs once per group whatever its rows. TPU estimator,
+# v6e, the layer (bench_quantized_estimates), dequantized tile -> stacked:
+# Qwen3-30B-A3B 8 tokens 609 -> 147 us, 64 tokens (4 rows a group) 1559 ->
+# 464, 512 tokens (32 rows) 1734 -> 1439; Mixtral-8x7B 64 tokens (16 rows)
+# 3411 -> 1652; but gpt-oss-20b 512 tokens (64 rows) 2471 -> 3342: no
+# stacked path there. Row tiles of 8 instead of 16 rows: Qwen3 8 tokens 146
+# us (the kernel skips a tile's row chunks without rows of the visit's group).
+MXFP4_STACKED_ROWS_PER_GROUP = 32
 MXFP4_DECODE_TM = 16
 
 
