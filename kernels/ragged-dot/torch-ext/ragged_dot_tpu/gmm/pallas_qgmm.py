@@ -329,6 +329,46 @@ def _mxfp4_stacked_dot(x, values_ref, scale_rows_ref, *, packed_cols: int, half:
     return total
 
 
+def _mxfp4_one_row_dot(x, row, values_ref, scale_rows_ref, *, packed_cols: int, half: int):
+    """``_mxfp4_stacked_dot`` for the one live row ``row`` (traced) of the
+    chunk ``x``: the lhs row stacked 8 times (copy j keeping block j's
+    lanes), so that the product's 8 rows are the row's 8 partial products of
+    a lane group, scaled by the 8 scale rows at once and summed over
+    sublanes once at the end: 8 result rows a lane group instead of 64.
+    Returns ``[rows of x, tn]`` with the result on row ``row``, zeros
+    elsewhere."""
+    rows = x.shape[0]
+    picked = lax.broadcasted_iota(jnp.int32, x.shape, 0) == row
+    x_row = jnp.sum(jnp.where(picked, x.astype(jnp.float32), 0.0), axis=0, keepdims=True)  # exact
+    x_row = (x_row * E2M1_TO_E4M3_FACTOR).astype(x.dtype)  # exact: a power of two
+    blocks_per_group = MXFP4_BLOCKS_PER_LANE_GROUP
+    total = None
+    for c0 in range(0, packed_cols, 128):
+        width = min(128, packed_cols - c0)
+        words = pltpu.bitcast(values_ref[:, c0:c0 + width], jnp.uint32)
+        tiles = [lax.bitcast_convert_type(pltpu.bitcast(_e2m1_to_e4m3_bits(words, high), jnp.uint8),
+                                          jnp.float8_e4m3fn) for high in (False, True)]
+
+        def stacked(xh):  # [8, width]: row j keeps block j's lanes
+            shape = (blocks_per_group, width)
+            keep = lax.div(lax.broadcasted_iota(jnp.int32, shape, 1), MXFP4_BLOCK_BYTES) == \
+                lax.broadcasted_iota(jnp.int32, shape, 0)
+            return jnp.where(keep, jnp.broadcast_to(xh, shape), jnp.zeros((), xh.dtype))
+
+        xs = [x_row[:, c0:c0 + width], x_row[:, half + c0:half + c0 + width]]
+        if width == 128:
+            part = dot_f32(jnp.concatenate([stacked(xh) for xh in xs], axis=1),
+                           jnp.concatenate(tiles, axis=1), 1, 1)
+        else:
+            part = dot_f32(stacked(xs[0]), tiles[0], 1, 1) + dot_f32(stacked(xs[1]), tiles[1], 1, 1)
+        first = c0 // MXFP4_BLOCK_BYTES  # a multiple of 8: an aligned [8, tn] slice of scale rows
+        term = part * scale_rows_ref[first:first + blocks_per_group, :]
+        total = term if total is None else total + term
+    value = jnp.sum(total, axis=0, keepdims=True)  # [1, tn]
+    return jnp.where(lax.broadcasted_iota(jnp.int32, (rows, value.shape[1]), 0) == row,
+                     jnp.broadcast_to(value, (rows, value.shape[1])), 0.0)
+
+
 def dequantizing_visits(seg, num_local: int, tiles_k: int):
     """1 for the visits that dequantize their weight tile, 0 for those that
     reuse the one in VMEM: a local visit following a visit of the same group
@@ -373,7 +413,11 @@ def _qgmm_kernel(
         if fp8_sliced:
             expanded_ref[0][...] = _fp8_slice_scales(scales_ref, n_i, tn=tn)
         elif mxfp4_stacked:
-            expanded_ref[0][:tk // MXFP4_BLOCK, :] = _mxfp4_scale_rows(scales_ref, k_i, tk=tk, k=k)
+            scale_rows = _mxfp4_scale_rows(scales_ref, k_i, tk=tk, k=k)
+            pad = expanded_ref[0].shape[0] - scale_rows.shape[0]
+            if pad:  # zeros, never stale VMEM (NaN times the one-row path's zero products)
+                scale_rows = jnp.concatenate([scale_rows, jnp.zeros((pad, tn), jnp.float32)], axis=0)
+            expanded_ref[0][...] = scale_rows
         elif weight_format == "mxfp4":
             _dequantize_mxfp4(values_ref, scales_ref, wq_ref, tn=tn, tk=tk, half=half, valid=valid)
         else:
@@ -401,7 +445,17 @@ def _qgmm_kernel(
         w = values_ref[...] if weight_format == "int8" else wq_ref[...]
         acc_ref[rows, :] += dot_f32(x, w, 1, 1)
 
-    for rows, live in chunks:
+    def accumulate_one_row(rows, row):
+        acc_ref[rows, :] += _mxfp4_one_row_dot(lhs_ref[rows, :], row, values_ref, expanded_ref[0],
+                                               packed_cols=tk // 2, half=half)
+
+    for c, (rows, live) in enumerate(chunks):
+        if mxfp4_stacked:  # a chunk holding one row of the visit's group takes the one-row dot
+            first_row = tile_ref[v] * tm + c * row_chunk
+            live_rows = jnp.minimum(end, first_row + row_chunk) - jnp.maximum(start, first_row)
+            pl.when(live & (live_rows == 1))(functools.partial(
+                accumulate_one_row, rows, jnp.maximum(start, first_row) - first_row))
+            live = live & (live_rows > 1)
         pl.when(live)(functools.partial(accumulate, rows))
 
     @pl.when(k_i == tiles_k - 1)
