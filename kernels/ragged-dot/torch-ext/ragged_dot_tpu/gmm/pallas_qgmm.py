@@ -266,6 +266,8 @@ MXFP4_BLOCKS_PER_LANE_GROUP = 128 // MXFP4_BLOCK_BYTES  # 8
 # Rows the stacked decode path computes at once (the f32 sublane tile): its
 # cost grows with the rows, 8 x rows of lhs per MXU push (see below).
 MXFP4_STACKED_ROW_CHUNK = 8
+# Live rows of a chunk -> rows the few-rows dot computes (``_mxfp4_few_rows_dot``).
+MXFP4_FEW_ROWS = ((1, 1), (2, 2), (3, 4))
 
 
 def _e2m1_to_e4m3_bits(words, high: bool):
@@ -329,19 +331,24 @@ def _mxfp4_stacked_dot(x, values_ref, scale_rows_ref, *, packed_cols: int, half:
     return total
 
 
-def _mxfp4_one_row_dot(x, row, values_ref, scale_rows_ref, *, packed_cols: int, half: int):
-    """``_mxfp4_stacked_dot`` for the one live row ``row`` (traced) of the
-    chunk ``x``: the lhs row stacked 8 times (copy j keeping block j's
-    lanes), so that the product's 8 rows are the row's 8 partial products of
-    a lane group, scaled by the 8 scale rows at once and summed over
-    sublanes once at the end: 8 result rows a lane group instead of 64.
-    Returns ``[rows of x, tn]`` with the result on row ``row``, zeros
-    elsewhere."""
+def _mxfp4_few_rows_dot(x, first, count: int, values_ref, scale_rows_ref, *, packed_cols: int, half: int):
+    """``_mxfp4_stacked_dot`` for ``count`` rows of the chunk ``x`` from row
+    ``first`` (traced) on: each row stacked 8 times (copy j keeping block
+    j's lanes), so that the product's 8 rows of a lhs row are its 8 partial
+    products of a lane group, scaled by the 8 scale rows at once and summed
+    over sublanes once at the end: ``8 x count`` result rows a lane group
+    instead of 64. Returns ``[rows of x, tn]`` with the results on rows
+    ``first .. first + count - 1`` (rows past the chunk or the group are
+    computed and never stored), zeros elsewhere."""
     rows = x.shape[0]
-    picked = lax.broadcasted_iota(jnp.int32, x.shape, 0) == row
-    x_row = jnp.sum(jnp.where(picked, x.astype(jnp.float32), 0.0), axis=0, keepdims=True)  # exact
-    x_row = (x_row * E2M1_TO_E4M3_FACTOR).astype(x.dtype)  # exact: a power of two
     blocks_per_group = MXFP4_BLOCKS_PER_LANE_GROUP
+    row_ids = lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    x32 = x.astype(jnp.float32)
+    # each picked row repeated on 8 sublanes, exactly (a sum of one value and zeros)
+    picked = jnp.concatenate(
+        [jnp.broadcast_to(jnp.sum(jnp.where(row_ids == first + i, x32, 0.0), axis=0, keepdims=True),
+                          (blocks_per_group, x.shape[1])) for i in range(count)], axis=0)
+    picked = (picked * E2M1_TO_E4M3_FACTOR).astype(x.dtype)  # exact: a power of two
     total = None
     for c0 in range(0, packed_cols, 128):
         width = min(128, packed_cols - c0)
@@ -349,24 +356,30 @@ def _mxfp4_one_row_dot(x, row, values_ref, scale_rows_ref, *, packed_cols: int, 
         tiles = [lax.bitcast_convert_type(pltpu.bitcast(_e2m1_to_e4m3_bits(words, high), jnp.uint8),
                                           jnp.float8_e4m3fn) for high in (False, True)]
 
-        def stacked(xh):  # [8, width]: row j keeps block j's lanes
-            shape = (blocks_per_group, width)
+        def stacked(xh):  # [8 x count, width]: row 8 i + j keeps block j's lanes
+            shape = xh.shape
             keep = lax.div(lax.broadcasted_iota(jnp.int32, shape, 1), MXFP4_BLOCK_BYTES) == \
-                lax.broadcasted_iota(jnp.int32, shape, 0)
-            return jnp.where(keep, jnp.broadcast_to(xh, shape), jnp.zeros((), xh.dtype))
+                lax.rem(lax.broadcasted_iota(jnp.int32, shape, 0), blocks_per_group)
+            return jnp.where(keep, xh, jnp.zeros((), xh.dtype))
 
-        xs = [x_row[:, c0:c0 + width], x_row[:, half + c0:half + c0 + width]]
+        xs = [picked[:, c0:c0 + width], picked[:, half + c0:half + c0 + width]]
         if width == 128:
             part = dot_f32(jnp.concatenate([stacked(xh) for xh in xs], axis=1),
                            jnp.concatenate(tiles, axis=1), 1, 1)
         else:
             part = dot_f32(stacked(xs[0]), tiles[0], 1, 1) + dot_f32(stacked(xs[1]), tiles[1], 1, 1)
-        first = c0 // MXFP4_BLOCK_BYTES  # a multiple of 8: an aligned [8, tn] slice of scale rows
-        term = part * scale_rows_ref[first:first + blocks_per_group, :]
+        first_block = c0 // MXFP4_BLOCK_BYTES  # a multiple of 8: an aligned [8, tn] slice of scale rows
+        scale = scale_rows_ref[first_block:first_block + blocks_per_group, :]
+        term = part * (scale if count == 1 else jnp.concatenate([scale] * count, axis=0))
         total = term if total is None else total + term
-    value = jnp.sum(total, axis=0, keepdims=True)  # [1, tn]
-    return jnp.where(lax.broadcasted_iota(jnp.int32, (rows, value.shape[1]), 0) == row,
-                     jnp.broadcast_to(value, (rows, value.shape[1])), 0.0)
+    tn = total.shape[1]
+    out_rows = lax.broadcasted_iota(jnp.int32, (rows, tn), 0)
+    out = None
+    for i in range(count):
+        value = jnp.sum(total[i * blocks_per_group:(i + 1) * blocks_per_group], axis=0, keepdims=True)
+        placed = jnp.where(out_rows == first + i, jnp.broadcast_to(value, (rows, tn)), 0.0)
+        out = placed if out is None else out + placed
+    return out
 
 
 def dequantizing_visits(seg, num_local: int, tiles_k: int):
@@ -445,17 +458,20 @@ def _qgmm_kernel(
         w = values_ref[...] if weight_format == "int8" else wq_ref[...]
         acc_ref[rows, :] += dot_f32(x, w, 1, 1)
 
-    def accumulate_one_row(rows, row):
-        acc_ref[rows, :] += _mxfp4_one_row_dot(lhs_ref[rows, :], row, values_ref, expanded_ref[0],
-                                               packed_cols=tk // 2, half=half)
+    def accumulate_few_rows(rows, first, count):
+        acc_ref[rows, :] += _mxfp4_few_rows_dot(lhs_ref[rows, :], first, count, values_ref, expanded_ref[0],
+                                                packed_cols=tk // 2, half=half)
 
+    few_rows = [(low, high) for low, high in MXFP4_FEW_ROWS if high < row_chunk] if mxfp4_stacked else []
     for c, (rows, live) in enumerate(chunks):
-        if mxfp4_stacked:  # a chunk holding one row of the visit's group takes the one-row dot
+        if few_rows:  # a chunk holding 1, 2 or 3-4 rows of the visit's group: the few-rows dot
             first_row = tile_ref[v] * tm + c * row_chunk
             live_rows = jnp.minimum(end, first_row + row_chunk) - jnp.maximum(start, first_row)
-            pl.when(live & (live_rows == 1))(functools.partial(
-                accumulate_one_row, rows, jnp.maximum(start, first_row) - first_row))
-            live = live & (live_rows > 1)
+            first = jnp.maximum(start, first_row) - first_row
+            for low, high in few_rows:
+                pl.when(live & (live_rows >= low) & (live_rows <= high))(functools.partial(
+                    accumulate_few_rows, rows, first, high))
+            live = live & (live_rows > few_rows[-1][1])
         pl.when(live)(functools.partial(accumulate, rows))
 
     @pl.when(k_i == tiles_k - 1)
