@@ -332,12 +332,14 @@ def fp8_sliced(m: int, num_groups: int, tm: int) -> bool:
 # rows at a time), in row tiles of MXFP4_DECODE_TM rows; the output tile's
 # rows must fill whole uint32 words (tn % 32: the bitcast of its bytes). The
 # dequantized tile costs once per group whatever its rows. TPU estimator,
-# v6e, the layer (bench_quantized_estimates), dequantized tile -> stacked:
-# Qwen3-30B-A3B 8 tokens 609 -> 147 us, 64 tokens (4 rows a group) 1559 ->
-# 464, 512 tokens (32 rows) 1734 -> 1439; Mixtral-8x7B 64 tokens (16 rows)
-# 3411 -> 1652; but gpt-oss-20b 512 tokens (64 rows) 2471 -> 3342: no
-# stacked path there. Row tiles of 8 instead of 16 rows: Qwen3 8 tokens 146
-# us (the kernel skips a tile's row chunks without rows of the visit's group).
+# v6e, the layer (bench_quantized_estimates), dequantized tile -> stacked
+# (the final kernel, log tpu_estimates_quantized_mxfp4_e4m3_v6e.log):
+# Qwen3-30B-A3B 8 tokens 609 -> 126 us, 64 tokens (4 rows a group) 1559 ->
+# 426, 512 tokens (32 rows) 1734 -> 1520; Mixtral-8x7B 64 tokens (16 rows)
+# 3411 -> 1576; but gpt-oss-20b 512 tokens (64 rows, the first stacked
+# kernel) 2471 -> 3342: no stacked path there. Row tiles of 8 instead of 16
+# rows (first kernel): Qwen3 8 tokens 147 -> 146 us (the kernel skips a
+# tile's row chunks without rows of the visit's group).
 MXFP4_STACKED_ROWS_PER_GROUP = 32
 MXFP4_DECODE_TM = 16
 
