@@ -42,7 +42,7 @@ format:
   e4m3 byte by bit operations on uint32 words (4 packed bytes, 8 nibbles:
   ``_e2m1_to_e4m3_bits``, 9 word operations for 8 weights): ``sign << 7 |
   magnitude << 2``, whose value is the e2m1 value times 2**-6 exactly; the
-  lhs is multiplied by 2**6 instead (exact in bf16). The low nibbles' tile
+  lhs is multiplied by 2**6 instead (exact in bf16 for |x| < 2**121). The low nibbles' tile
   (even k) and the high nibbles' (odd k) go into one 256-deep MXU push per
   128 packed lanes, against the lhs stacked 8 times, copy j keeping the
   lanes of 32-wide K block j: row block j of the product is block j's f32
