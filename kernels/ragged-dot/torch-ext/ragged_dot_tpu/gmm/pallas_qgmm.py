@@ -108,9 +108,8 @@ ROW_BLOCK = 128
 # 1298 -> 1187 us sliced; gpt-oss-20b 512 tokens (64 rows a group, tm 128)
 # up projection tile 1190 us, sliced 1259; Qwen3 4096 tokens (tm 256) up
 # projection tile 1201 us, sliced 1544.
-# Generations whose matmul takes an e4m3 operand (libtpu AOT compiles; v4
-# refuses it: "Unsupported matmul RHS type").
-FP8_MXU_GENERATIONS = ("v5e", "v5p", "v6e", "tpu7x")
+# Generations whose matmul takes an e4m3 operand (v4 refuses it).
+FP8_MXU_GENERATIONS = tiling_lib.E4M3_MXU_GENERATIONS
 
 
 def _mask_cols(w, first_col, valid):

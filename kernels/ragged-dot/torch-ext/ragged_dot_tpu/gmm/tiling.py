@@ -342,6 +342,9 @@ def fp8_sliced(m: int, num_groups: int, tm: int) -> bool:
 # tile's row chunks without rows of the visit's group).
 MXFP4_STACKED_ROWS_PER_GROUP = 32
 MXFP4_DECODE_TM = 16
+# Generations whose matmul takes an e4m3 operand (libtpu AOT compiles; v4
+# refuses it: "Unsupported matmul RHS type").
+E4M3_MXU_GENERATIONS = ("v5e", "v5p", "v6e", "tpu7x")
 
 
 def mxfp4_stacked(m: int, num_groups: int, tm: int, tn: int) -> bool:
@@ -406,7 +409,8 @@ def choose_quantized_tiling(weight_format: str, m: int, k: int, n: int, num_grou
     if (weight_format == "fp8" and fp8_sliced(m, num_groups, tm)
             and rows_per_group(m, num_groups) <= FP8_DECODE_TM_ROWS_PER_GROUP):
         tm = min(tm, FP8_DECODE_TM)
-    if weight_format == "mxfp4" and rows_per_group(m, num_groups) <= MXFP4_STACKED_ROWS_PER_GROUP:
+    if (weight_format == "mxfp4" and lhs_itemsize == 2 and gen.name in E4M3_MXU_GENERATIONS
+            and rows_per_group(m, num_groups) <= MXFP4_STACKED_ROWS_PER_GROUP):  # the stacked path's tiles
         tm = min(tm, MXFP4_DECODE_TM)
     return Tiling(tm, tk, balanced_tile(n, t.tn, gen.mxu if t.tn >= gen.mxu else 128))
 
