@@ -14,7 +14,8 @@ f32 int8 3e-7, fp8 8e-8, mxfp4 6e-8 (f32 accumulation only); bf16 (lhs and
 output bf16) int8 1.7e-3, fp8 6.7e-4, mxfp4 7.1e-4 (the bf16 rounding of the
 output; the weights are exact in bf16 but for fp8's value * scale). fp8's
 decode path (K slices, the scale on f32 partial products: every case but the
-300-row one) measures f32 5e-8, bf16 4.8e-4.
+300-row one) measures f32 5e-8, bf16 4.8e-4; mxfp4's e4m3 decode path (bf16 lhs,
+tiling.mxfp4_stacked) bf16 4.3e-4 to 5.7e-4 (one seed, three stacked cases).
 Tolerances: 1e-5 (f32) and 1e-2 (bf16).
 """
 
@@ -106,7 +107,13 @@ CASES = {
             (300, 384, 320, 3, "random", (256, 384, 256), "low")],  # tm > 128 (tiling.fp8_sliced): the dequantized tile
     "mxfp4": [(37, 224, 136, 4, "with_zeros", None, "low"), (40, 160, 136, 3, "random", None, "high"),
               (64, 384, 320, 3, "one_huge", (16, 384, 256), "low"),
-              (24, 8192 + 64, 130, 2, "random", (16, 4096, 128), "low")],
+              (24, 8192 + 64, 130, 2, "random", (16, 4096, 128), "low"),
+              # bf16 lhs, N a multiple of 32, at most 16 rows a group: the stacked decode path
+              # (tiling.mxfp4_stacked): a partial last lane group (K = 224), e8m0 codes 250-254,
+              # a split K with a tail (scales past K zeroed), one row tile over four groups
+              (37, 224, 160, 4, "with_zeros", None, "low"), (40, 160, 256, 3, "random", None, "high"),
+              (24, 8192 + 64, 128, 2, "random", (16, 4096, 128), "low"),
+              (64, 384, 256, 5, "random", None, "low")],
 }
 
 
@@ -119,6 +126,28 @@ def test_matches_float64_dequantized(fmt_name, dtype):
         got = run_gmm(lhs, values, scales, sizes, fmt_name, dtype, tiling=t)
         w = reference.dequantize_weights(values, scales, fmt_name)
         assert_matches(got, lhs, w, sizes, dtype, what=f"{fmt_name} {(m, k, n, g, kind, t)}")
+
+
+def test_mxfp4_stacked_decode_path():
+    """The e4m3 decode path of mxfp4 (pallas_qgmm: nibbles to e4m3 bytes, the
+    e8m0 scale on each 32-wide block's partial product): taken at these
+    shapes, every e2m1 code and e8m0 codes 20-23 and 250-254, row tiles
+    below 8 rows, a window of local groups with empty ones, in the poisoning
+    interpreter; and v4 (no e4m3 matmul) keeps the dequantized tile."""
+    rng = np.random.default_rng(SEED)
+    for m, k, n, g, kind, offset, local, extreme in (
+            (4, 256, 256, 3, "random", 0, 3, "low"), (16, 512, 128, 4, "with_zeros", 0, 4, "high"),
+            (40, 256, 256, 6, "random", 2, 3, "low"), (40, 256, 256, 6, "all_empty", 0, 3, "low")):
+        lhs, values, scales, sizes = inputs(rng, "mxfp4", m, k, n, g, kind, jnp.bfloat16, num_local=local,
+                                            extreme=extreme)
+        t = tiling.choose_quantized_tiling("mxfp4", m, k, n, local, lhs_itemsize=2, out_itemsize=2)
+        assert tiling.mxfp4_stacked(m, local, t.tm, t.tn), (m, k, n, t)
+        w = reference.dequantize_weights(values, scales, "mxfp4")
+        for generation in (None, "v4"):
+            got = run_gmm(lhs, values, scales, sizes, "mxfp4", jnp.bfloat16, group_offset=offset,
+                          generation=generation)
+            assert_matches(got, lhs, w, sizes, jnp.bfloat16, offset,
+                           what=f"mxfp4 stacked {(m, k, n, g, kind, offset)} {generation}")
 
 
 def test_fp8_decode_path_without_e4m3_matmul():
@@ -342,4 +371,10 @@ def test_compiles_for_tpu_generations(fmt_name, generation):
         aot.compile_for(generation, lambda x, v, s, gs: pallas_gmm.gmm(
             x, v, gs, rhs_scales=s, weight_format=fmt_name, generation=generation),
             ((m, k), jnp.bfloat16), (fmt.values_shape(g, n, k), jnp.dtype(fmt.values_dtype)),
+            (fmt.scales_shape(g, n, k), jnp.dtype(fmt.scales_dtype)), ((g,), jnp.int32))
+    if fmt_name == "mxfp4":  # the stacked decode path with a split K's tail (its scale codes past K masked)
+        k, n, g = 8192 + 64, 128, 2
+        aot.compile_for(generation, lambda x, v, s, gs: pallas_gmm.gmm(
+            x, v, gs, rhs_scales=s, weight_format=fmt_name, generation=generation, tiling=(16, 4096, 128)),
+            ((24, k), jnp.bfloat16), (fmt.values_shape(g, n, k), jnp.dtype(fmt.values_dtype)),
             (fmt.scales_shape(g, n, k), jnp.dtype(fmt.scales_dtype)), ((g,), jnp.int32))

@@ -36,15 +36,45 @@ format:
   expert's whole ``[N/128, K/128]`` scale block (a few KB, fetched once per
   expert) and expands its rows along K by one small one-hot matmul
   (``_expand_fp8_scales``).
-* mxfp4: e2m1 codes and e8m0 exponents decoded from bits, their product is
-  exact in bf16. The two nibbles of a byte are k = 2j and 2j + 1; rather than
-  interleave lanes in VMEM, the wrapper reorders lhs per K tile into [even k
-  | odd k] (each half padded to whole lanes) and the kernel writes the
-  dequantized tile as [low nibbles | high nibbles]: the contraction is the
-  same sum. The e8m0 scale of 16 bytes is repeated along lanes by one
-  in-vreg lane gather per 128 columns. Decoding is VPU work of about ten
-  operations a weight: estimated v6e Qwen3-30B-A3B 8 tokens 609 us, bf16
-  293 us.
+* mxfp4 at decode (``tiling.mxfp4_stacked``: bf16 lhs, at most 16 rows a
+  group, row tiles of 16 computed 8 rows at a time, on the generations of
+  ``FP8_MXU_GENERATIONS``): no dequantized copy. Each e2m1 nibble becomes an
+  e4m3 byte by bit operations on uint32 words (4 packed bytes, 8 nibbles:
+  ``_e2m1_to_e4m3_bits``, 9 word operations for 8 weights): ``sign << 7 |
+  magnitude << 2``, whose value is the e2m1 value times 2**-6 exactly; the
+  lhs is multiplied by 2**6 instead (exact in bf16 for |x| < 2**121). The low nibbles' tile
+  (even k) and the high nibbles' (odd k) go into one 256-deep MXU push per
+  128 packed lanes, against the lhs stacked 8 times, copy j keeping the
+  lanes of 32-wide K block j: row block j of the product is block j's f32
+  partial product, multiplied by its e8m0 scale row (``_mxfp4_stacked_dot``;
+  the scale rows ``[K/32, tn]`` are the ``[tn, K/32]`` codes transposed,
+  once per column tile and group, ``_mxfp4_scale_rows``). Exact
+  products, f32 sums. Assumption, unverified without a TPU: e2m1 0.5 lands
+  on the e4m3 subnormal 2**-7 (all other codes on normals), and the MXU is
+  taken to multiply e4m3 subnormals exactly as the format defines them (a
+  subnormal-free mapping, ``(q << 2) + 0x30`` with 0 and 0.5 special-cased,
+  costs about 18 word operations a nibble half instead of 5: estimated
+  4459 cycles instead of 1876 for a 1536 x 2048 tile, VPU-bound). Partial
+  products times scales below 2**-126 flush to zero (the VPU), as the
+  dequantized tile's products do. A scale code 255 (NaN in the OCP format)
+  reads inf. A chunk with 1, 2 or 3-4 live rows stacks only those rows
+  (``_mxfp4_few_rows_dot``, ``MXFP4_FEW_ROWS``). Estimated v6e, the layer
+  (bench_quantized_estimates), dequantized tile -> this path: Qwen3-30B-A3B
+  8 tokens 609 -> 126 us (bf16 293, roofline 77: the MXU's e4m3 push, not
+  HBM, sets the floor), gpt-oss-20b 8 tokens 656 -> 229, Mixtral-8x7B 8
+  tokens 3303 -> 553 (bf16 1731); the threshold's figures at
+  ``tiling.MXFP4_STACKED_ROWS_PER_GROUP``.
+* mxfp4 otherwise (prefill, f32 lhs, v4): e2m1 codes and e8m0 exponents
+  decoded from bits, their product is exact in bf16, written to the
+  dequantized tile. The e8m0 scale of 16 bytes is repeated along lanes by
+  one in-vreg lane gather per 128 columns. Decoding is VPU work of about ten
+  operations a weight: estimated v6e Qwen3-30B-A3B 8 tokens 609 us when
+  decode took this path (bf16 293 us).
+
+Both mxfp4 paths: the two nibbles of a byte are k = 2j and 2j + 1; rather
+than interleave lanes in VMEM, the wrapper reorders lhs per K tile into
+[even k | odd k] (each half padded to whole lanes) and the kernel contracts
+it with [low nibbles | high nibbles]: the same sum.
 """
 
 from __future__ import annotations
@@ -78,9 +108,8 @@ ROW_BLOCK = 128
 # 1298 -> 1187 us sliced; gpt-oss-20b 512 tokens (64 rows a group, tm 128)
 # up projection tile 1190 us, sliced 1259; Qwen3 4096 tokens (tm 256) up
 # projection tile 1201 us, sliced 1544.
-# Generations whose matmul takes an e4m3 operand (libtpu AOT compiles; v4
-# refuses it: "Unsupported matmul RHS type").
-FP8_MXU_GENERATIONS = ("v5e", "v5p", "v6e", "tpu7x")
+# Generations whose matmul takes an e4m3 operand (v4 refuses it).
+FP8_MXU_GENERATIONS = tiling_lib.E4M3_MXU_GENERATIONS
 
 
 def _mask_cols(w, first_col, valid):
@@ -226,6 +255,137 @@ def _dequantize_mxfp4(values_ref, scales_ref, wq_ref, *, tn, tk, half, valid):
     _for_row_blocks(tn, block)
 
 
+# mxfp4 at decode (``tiling.mxfp4_stacked``): e2m1 nibbles become e4m3 bytes
+# by bit operations on uint32 words (4 packed bytes, 8 nibbles a word):
+# byte = sign << 7 | magnitude << 2 has the value e2m1 * 2**-6 exactly
+# (magnitudes >= 2 land on e4m3 normals; magnitude 1, e2m1 0.5, on the e4m3
+# subnormal 2**-7, see the module docstring for that assumption). The lhs is
+# multiplied by 2**6 instead (exact in bf16).
+E4M3_SIGNS = 0x80808080
+E4M3_MAGNITUDES = 0x1C1C1C1C
+E2M1_TO_E4M3_FACTOR = 64.0  # 2**6
+# Packed bytes (lanes) sharing one e8m0 scale, and scale blocks per 128 lanes.
+MXFP4_BLOCK_BYTES = MXFP4_BLOCK // 2
+MXFP4_BLOCKS_PER_LANE_GROUP = 128 // MXFP4_BLOCK_BYTES  # 8
+# Rows the stacked decode path computes at once (the f32 sublane tile): its
+# cost grows with the rows, 8 x rows of lhs per MXU push (see below).
+MXFP4_STACKED_ROW_CHUNK = 8
+# Live rows of a chunk -> rows the few-rows dot computes (``_mxfp4_few_rows_dot``).
+MXFP4_FEW_ROWS = ((1, 1), (2, 2), (3, 4))
+
+
+def _e2m1_to_e4m3_bits(words, high: bool):
+    """e4m3 bits of the low (``high``: high) nibbles of the 4 bytes of each
+    uint32 word: 5 (4) word operations for 4 weights."""
+    u = jnp.uint32
+    if high:
+        return (words & u(E4M3_SIGNS)) | ((words >> u(2)) & u(E4M3_MAGNITUDES))
+    return ((words << u(4)) & u(E4M3_SIGNS)) | ((words << u(2)) & u(E4M3_MAGNITUDES))
+
+
+def _mxfp4_scale_rows(scales_ref, k_i, *, tk, k):
+    """``[tk/32, tn]`` float32: row j holds the e8m0 scale of the tile's K
+    block j for every output column: the ``[tn, tk/32]`` code block
+    transposed as bytes (4 rows a sublane: estimated v6e Qwen3-30B-A3B 8
+    tokens 147 -> 140 us against an identity matmul of the codes in bf16),
+    then decoded; codes past K (a split K's last tile: stale VMEM) read 0."""
+    codes = scales_ref[...].T.astype(jnp.int32)  # [tk/32, tn]
+    if k % tk:
+        # (lax.div: a traced // lowers through sign, which Mosaic cannot lower off a TPU host)
+        first_past = lax.div(k - k_i * tk + MXFP4_BLOCK - 1, MXFP4_BLOCK)
+        codes = jnp.where(lax.broadcasted_iota(jnp.int32, codes.shape, 0) < first_past, codes, 0)
+    return quantized.e8m0_to_f32(codes)
+
+
+def _mxfp4_stacked_dot(x, values_ref, scale_rows_ref, *, packed_cols: int, half: int):
+    """``x @ dequantize(tile)^T`` (``x``: [rows, 2 * half] bf16, even k |
+    odd k) with each e8m0 scale on the f32 partial product of its 32-wide K
+    block. Per 128 packed lanes (8 blocks): the e4m3 tiles of the low and the
+    high nibbles side by side ([tn, 256], the same 8 blocks), pushed into the
+    MXU once against the lhs stacked 8 times, copy j keeping block j's lanes
+    only ([8 rows, 256]): the product's row block j is block j's partial
+    product, times its scale row. ``rows x tn`` products a block instead of
+    ``32 x tn`` weights scaled, rounded and stored."""
+    rows = x.shape[0]
+    x = x * jnp.asarray(E2M1_TO_E4M3_FACTOR, x.dtype)  # exact: a power of two
+    total = None
+    for c0 in range(0, packed_cols, 128):
+        width = min(128, packed_cols - c0)
+        words = pltpu.bitcast(values_ref[:, c0:c0 + width], jnp.uint32)  # [tn / 4, width]
+        tiles = [lax.bitcast_convert_type(pltpu.bitcast(_e2m1_to_e4m3_bits(words, high), jnp.uint8),
+                                          jnp.float8_e4m3fn) for high in (False, True)]
+        xs = [x[:, c0:c0 + width], x[:, half + c0:half + c0 + width]]
+        blocks = width // MXFP4_BLOCK_BYTES
+
+        def stacked(xh):  # [blocks * rows, width]: copy j keeps block j's lanes
+            # (lax.div: a traced // lowers through sign, which Mosaic cannot lower off a TPU host)
+            lane_block = lax.div(lax.broadcasted_iota(jnp.int32, (blocks * rows, width), 1), MXFP4_BLOCK_BYTES)
+            row_block = lax.div(lax.broadcasted_iota(jnp.int32, (blocks * rows, width), 0), rows)
+            return jnp.where(lane_block == row_block, jnp.tile(xh, (blocks, 1)), jnp.zeros((), xh.dtype))
+
+        if width == 128:  # one 256-deep push: the MXU adds the two halves' products
+            part = dot_f32(jnp.concatenate([stacked(xh) for xh in xs], axis=1),
+                           jnp.concatenate(tiles, axis=1), 1, 1)
+        else:  # a whole K's partial last lane group
+            part = dot_f32(stacked(xs[0]), tiles[0], 1, 1) + dot_f32(stacked(xs[1]), tiles[1], 1, 1)
+        for j in range(blocks):
+            row = c0 // MXFP4_BLOCK_BYTES + j
+            term = part[j * rows:(j + 1) * rows] * scale_rows_ref[pl.ds(row, 1), :]
+            total = term if total is None else total + term
+    return total
+
+
+def _mxfp4_few_rows_dot(x, first, count: int, values_ref, scale_rows_ref, *, packed_cols: int, half: int):
+    """``_mxfp4_stacked_dot`` for ``count`` rows of the chunk ``x`` from row
+    ``first`` (traced) on: each row stacked 8 times (copy j keeping block
+    j's lanes), so that the product's 8 rows of a lhs row are its 8 partial
+    products of a lane group, scaled by the 8 scale rows at once and summed
+    over sublanes once at the end: ``8 x count`` result rows a lane group
+    instead of 64. Returns ``[rows of x, tn]`` with the results on rows
+    ``first .. first + count - 1`` (rows past the chunk or the group are
+    computed and never stored), zeros elsewhere."""
+    rows = x.shape[0]
+    blocks_per_group = MXFP4_BLOCKS_PER_LANE_GROUP
+    row_ids = lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    x32 = x.astype(jnp.float32)
+    # each picked row repeated on 8 sublanes, exactly (a sum of one value and zeros)
+    picked = jnp.concatenate(
+        [jnp.broadcast_to(jnp.sum(jnp.where(row_ids == first + i, x32, 0.0), axis=0, keepdims=True),
+                          (blocks_per_group, x.shape[1])) for i in range(count)], axis=0)
+    picked = (picked * E2M1_TO_E4M3_FACTOR).astype(x.dtype)  # exact: a power of two
+    total = None
+    for c0 in range(0, packed_cols, 128):
+        width = min(128, packed_cols - c0)
+        words = pltpu.bitcast(values_ref[:, c0:c0 + width], jnp.uint32)
+        tiles = [lax.bitcast_convert_type(pltpu.bitcast(_e2m1_to_e4m3_bits(words, high), jnp.uint8),
+                                          jnp.float8_e4m3fn) for high in (False, True)]
+
+        def stacked(xh):  # [8 x count, width]: row 8 i + j keeps block j's lanes
+            shape = xh.shape
+            keep = lax.div(lax.broadcasted_iota(jnp.int32, shape, 1), MXFP4_BLOCK_BYTES) == \
+                lax.rem(lax.broadcasted_iota(jnp.int32, shape, 0), blocks_per_group)
+            return jnp.where(keep, xh, jnp.zeros((), xh.dtype))
+
+        xs = [picked[:, c0:c0 + width], picked[:, half + c0:half + c0 + width]]
+        if width == 128:
+            part = dot_f32(jnp.concatenate([stacked(xh) for xh in xs], axis=1),
+                           jnp.concatenate(tiles, axis=1), 1, 1)
+        else:
+            part = dot_f32(stacked(xs[0]), tiles[0], 1, 1) + dot_f32(stacked(xs[1]), tiles[1], 1, 1)
+        first_block = c0 // MXFP4_BLOCK_BYTES  # a multiple of 8: an aligned [8, tn] slice of scale rows
+        scale = scale_rows_ref[first_block:first_block + blocks_per_group, :]
+        term = part * (scale if count == 1 else jnp.concatenate([scale] * count, axis=0))
+        total = term if total is None else total + term
+    tn = total.shape[1]
+    out_rows = lax.broadcasted_iota(jnp.int32, (rows, tn), 0)
+    out = None
+    for i in range(count):
+        value = jnp.sum(total[i * blocks_per_group:(i + 1) * blocks_per_group], axis=0, keepdims=True)
+        placed = jnp.where(out_rows == first + i, jnp.broadcast_to(value, (rows, tn)), 0.0)
+        out = placed if out is None else out + placed
+    return out
+
+
 def dequantizing_visits(seg, num_local: int, tiles_k: int):
     """1 for the visits that dequantize their weight tile, 0 for those that
     reuse the one in VMEM: a local visit following a visit of the same group
@@ -246,6 +406,7 @@ def _qgmm_kernel(
     acc_ref, wq_ref, *expanded_ref,  # f32 accumulator, dequantized tile, fp8: expanded scales
     weight_format: str, tm: int, tn: int, tk: int, k: int, tiles_n: int, tiles_k: int,
     num_segments: int, row_chunk: int, half: int, fp8_sliced: bool, e4m3_into_mxu: bool,
+    mxfp4_stacked: bool,
 ):
     n_i, v, k_i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seg = seg_ref[v]
@@ -268,6 +429,12 @@ def _qgmm_kernel(
     def _dequantize():
         if fp8_sliced:
             expanded_ref[0][...] = _fp8_slice_scales(scales_ref, n_i, tn=tn)
+        elif mxfp4_stacked:
+            scale_rows = _mxfp4_scale_rows(scales_ref, k_i, tk=tk, k=k)
+            pad = expanded_ref[0].shape[0] - scale_rows.shape[0]
+            if pad:  # zeros, never stale VMEM (NaN times the one-row path's zero products)
+                scale_rows = jnp.concatenate([scale_rows, jnp.zeros((pad, tn), jnp.float32)], axis=0)
+            expanded_ref[0][...] = scale_rows
         elif weight_format == "mxfp4":
             _dequantize_mxfp4(values_ref, scales_ref, wq_ref, tn=tn, tk=tk, half=half, valid=valid)
         else:
@@ -288,10 +455,27 @@ def _qgmm_kernel(
             acc_ref[rows, :] += _fp8_sliced_dot(x, values_ref, expanded_ref[0], k_i, tk=tk, k=k,
                                                   e4m3_into_mxu=e4m3_into_mxu)
             return
+        if mxfp4_stacked:
+            acc_ref[rows, :] += _mxfp4_stacked_dot(x, values_ref, expanded_ref[0], packed_cols=tk // 2,
+                                                   half=half)
+            return
         w = values_ref[...] if weight_format == "int8" else wq_ref[...]
         acc_ref[rows, :] += dot_f32(x, w, 1, 1)
 
-    for rows, live in chunks:
+    def accumulate_few_rows(rows, first, count):
+        acc_ref[rows, :] += _mxfp4_few_rows_dot(lhs_ref[rows, :], first, count, values_ref, expanded_ref[0],
+                                                packed_cols=tk // 2, half=half)
+
+    few_rows = [(low, high) for low, high in MXFP4_FEW_ROWS if high < row_chunk] if mxfp4_stacked else []
+    for c, (rows, live) in enumerate(chunks):
+        if few_rows:  # a chunk holding 1, 2 or 3-4 rows of the visit's group: the few-rows dot
+            first_row = tile_ref[v] * tm + c * row_chunk
+            live_rows = jnp.minimum(end, first_row + row_chunk) - jnp.maximum(start, first_row)
+            first = jnp.maximum(start, first_row) - first_row
+            for low, high in few_rows:
+                pl.when(live & (live_rows >= low) & (live_rows <= high))(functools.partial(
+                    accumulate_few_rows, rows, first, high))
+            live = live & (live_rows > few_rows[-1][1])
         pl.when(live)(functools.partial(accumulate, rows))
 
     @pl.when(k_i == tiles_k - 1)
@@ -327,6 +511,10 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
         group_sizes, group_offset, num_local, m=m, tm=tm)
     dequantize = dequantizing_visits(seg, num_local, tiles_k)
     fp8_sliced = weight_format == "fp8" and tiling_lib.fp8_sliced(m, num_local, tm)
+    # the device's own generation when none is given: on a v4 the e4m3 dot would not compile
+    e4m3_into_mxu = (generation or tiling_lib.tpu_generations.current_generation()) in FP8_MXU_GENERATIONS
+    mxfp4_stacked = (weight_format == "mxfp4" and e4m3_into_mxu and lhs.dtype == jnp.bfloat16
+                     and tiling_lib.mxfp4_stacked(m, num_local, tm, tn))
 
     if weight_format == "mxfp4":
         lhs = quantized.split_even_odd(lhs, tk, tiles_k, half)
@@ -358,10 +546,9 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
 
     kernel = functools.partial(
         _qgmm_kernel, weight_format=weight_format, tm=tm, tn=tn, tk=tk, k=k, tiles_n=tiles_n,
-        tiles_k=tiles_k, num_segments=num_local + 2, row_chunk=tiling_lib.row_chunk(tm, generation),
-        half=half, fp8_sliced=fp8_sliced,
-        # the device's own generation when none is given: on a v4 the e4m3 dot would not compile
-        e4m3_into_mxu=(generation or tiling_lib.tpu_generations.current_generation()) in FP8_MXU_GENERATIONS)
+        tiles_k=tiles_k, num_segments=num_local + 2,
+        row_chunk=min(MXFP4_STACKED_ROW_CHUNK, tm) if mxfp4_stacked else tiling_lib.row_chunk(tm, generation),
+        half=half, fp8_sliced=fp8_sliced, e4m3_into_mxu=e4m3_into_mxu, mxfp4_stacked=mxfp4_stacked)
     fmt = quant_formats.weight_format(weight_format)
     cost = pl.CostEstimate(
         flops=2 * m * k * n, transcendentals=0,
@@ -377,8 +564,10 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
             num_scalar_prefetch=6, grid=(tiles_n, num_visits, tiles_k),
             in_specs=[lhs_spec, values_spec, scales_spec], out_specs=out_spec,
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32),
-                            pltpu.VMEM((8, 128) if weight_format == "int8" or fp8_sliced else (tn, tkw), lhs.dtype)]
+                            pltpu.VMEM((8, 128) if weight_format == "int8" or fp8_sliced or mxfp4_stacked
+                                       else (tn, tkw), lhs.dtype)]
             + ([pltpu.VMEM((scales.shape[1], tn), jnp.float32)] if fp8_sliced else
+               [pltpu.VMEM((-(-(tk // MXFP4_BLOCK) // 8) * 8, tn), jnp.float32)] if mxfp4_stacked else
                [pltpu.VMEM((-(-cdiv(tn, FP8_BLOCK) // 8) * 8, tk), jnp.float32)] if weight_format == "fp8" else []),
         ),
         compiler_params=compiler_params(generation, ("parallel", "arbitrary", "arbitrary"),

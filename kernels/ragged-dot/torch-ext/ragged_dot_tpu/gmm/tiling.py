@@ -344,6 +344,32 @@ def fp8_sliced(m: int, num_groups: int, tm: int) -> bool:
     return tm <= 128 and rows_per_group(m, num_groups) <= FP8_SLICED_ROWS_PER_GROUP
 
 
+# mxfp4 at decode (groups averaging at most MXFP4_STACKED_ROWS_PER_GROUP rows)
+# pushes e4m3 tiles into the MXU with each e8m0 scale on a partial product
+# (pallas_qgmm, "stacked"), at a cost growing with the rows of a visit (8
+# rows at a time), in row tiles of MXFP4_DECODE_TM rows; the output tile's
+# rows must fill whole uint32 words (tn % 32: the bitcast of its bytes). The
+# dequantized tile costs once per group whatever its rows. TPU estimator,
+# v6e, the layer (bench_quantized_estimates), dequantized tile -> stacked
+# (the final kernel, log tpu_estimates_quantized_mxfp4_e4m3_v6e.log):
+# Qwen3-30B-A3B 8 tokens 609 -> 126 us, 64 tokens (4 rows a group) 1559 ->
+# 426, 512 tokens (32 rows) 1734 -> 1520; Mixtral-8x7B 64 tokens (16 rows)
+# 3411 -> 1576; but gpt-oss-20b 512 tokens (64 rows, the first stacked
+# kernel) 2471 -> 3342: no stacked path there. Row tiles of 8 instead of 16
+# rows (first kernel): Qwen3 8 tokens 147 -> 146 us (the kernel skips a
+# tile's row chunks without rows of the visit's group).
+MXFP4_STACKED_ROWS_PER_GROUP = 32
+MXFP4_DECODE_TM = 16
+# Generations whose matmul takes an e4m3 operand (libtpu AOT compiles; v4
+# refuses it: "Unsupported matmul RHS type").
+E4M3_MXU_GENERATIONS = ("v5e", "v5p", "v6e", "tpu7x")
+
+
+def mxfp4_stacked(m: int, num_groups: int, tm: int, tn: int) -> bool:
+    """Whether the mxfp4 kernel takes its stacked decode path (pallas_qgmm)."""
+    return tm <= MXFP4_DECODE_TM and tn % 32 == 0 and rows_per_group(m, num_groups) <= MXFP4_STACKED_ROWS_PER_GROUP
+
+
 # Columns the quantized kernel dequantizes at a time, per 32-row block (its
 # f32 temporaries).
 QUANT_CHUNK = 1024
@@ -401,6 +427,9 @@ def choose_quantized_tiling(weight_format: str, m: int, k: int, n: int, num_grou
     if (weight_format == "fp8" and fp8_sliced(m, num_groups, tm)
             and rows_per_group(m, num_groups) <= FP8_DECODE_TM_ROWS_PER_GROUP):
         tm = min(tm, FP8_DECODE_TM)
+    if (weight_format == "mxfp4" and lhs_itemsize == 2 and gen.name in E4M3_MXU_GENERATIONS
+            and rows_per_group(m, num_groups) <= MXFP4_STACKED_ROWS_PER_GROUP):  # the stacked path's tiles
+        tm = min(tm, MXFP4_DECODE_TM)
     return Tiling(tm, tk, balanced_tile(n, t.tn, gen.mxu if t.tn >= gen.mxu else 128))
 
 
