@@ -54,7 +54,7 @@ E2M1_GRID = np.array(quant_formats.E2M1_VALUES[:8])
 def reference_int8(w):
     scale = np.abs(w).max(-1, keepdims=True) / 127
     scaled = np.divide(w, scale, out=np.zeros_like(w), where=scale > 0)
-    return np.round(scaled) * scale, scaled, np.arange(-127.5, 128)  # np.round: halves to even
+    return np.round(scaled) * scale, scaled, np.arange(0.0, 128.0)  # np.round: halves to even; ties at k + 0.5
 
 
 def reference_fp8(w):
