@@ -345,8 +345,8 @@ def gmm(
         t = _resolve_tiling(tiling, m, k, n, num_local, lhs, rhs, out_dtype, generation, row_chunks=True)
     tm, tk, tn = t.as_tuple()
     tiles_m, tiles_k, tiles_n = cdiv(m, tm), cdiv(k, tk), cdiv(n, tn)
-    # Columns of rhs a step reads: one tile of each half (interleaved: 2 tn wide, or all of them).
-    tn_rhs = 2 * n if glu is not None and not concatenated and tn == n else tn * (1 if glu is None else 2)
+    # Columns of rhs a step reads: one tile of each half (interleaved: one tile 2 tn wide).
+    tn_rhs = tn if glu is None else 2 * tn
 
     seg, tile, num_visits, seg_starts, seg_ends, weight_group = forward_visits(
         group_sizes, group_offset, num_local, m=m, tm=tm
@@ -387,7 +387,6 @@ def gmm(
         glu_halves=glu_halves if glu is not None else None, num_bias=len(bias_specs),
         valid_cols=2 * n if glu is not None and not concatenated and n % tn else 0,
     )
-    num_rhs = len(rhs_specs)
     # What the kernel reads, as XLA schedules around it: M rows touch at most
     # M experts (decode: 8 of 128), not every expert of rhs.
     experts_read = min(num_local, m)
@@ -407,7 +406,7 @@ def gmm(
                         out_spec, (tm, tn_rhs if glu is not None and not concatenated else tn),
                         ("parallel", "arbitrary", "arbitrary"), cost,
                         f"ragged_dot_gmm_{'glu' if glu is not None else rhs_layout}", generation, interpret,
-                        num_visit_arrays=5, num_accumulators=num_rhs,
+                        num_visit_arrays=5, num_accumulators=len(rhs_specs),
                         extra_scratch=[pltpu.VMEM((tm, tn), jnp.float32)]
                         if glu is not None and not concatenated and tiling_lib.row_chunk(tm, generation) < tm
                         else [],
