@@ -143,6 +143,21 @@ def store_visit_rows(out_ref, value, v, tile_ref, tm: int, start, end):
     out_ref[...] = jnp.where(mine, value.astype(out_ref.dtype), previous)
 
 
+def store_chunk_rows(out_ref, rows: pl.ds, value, first_row, start, end, masked_store: bool):
+    """``value`` into the rows of ``rows`` (global row ``first_row`` on)
+    inside ``[start, end)``; the block's other rows are left as they are. A
+    masked store for 32-bit outputs; a packed 16-bit one merges with what the
+    block holds (Mosaic masks stores of 32-bit values only). ``masked_store``
+    False merges in any dtype: the interpreter (jax 0.10) rejects a masked
+    store whose block has fewer columns than rows as out of bounds."""
+    mine = row_mask(value.shape, 0, 0, start - first_row, end - first_row)
+    value = value.astype(out_ref.dtype)
+    if masked_store and jnp.dtype(out_ref.dtype).itemsize == 4:
+        pltpu.store(out_ref.at[rows, :], value, mask=mine)
+    else:
+        out_ref[rows, :] = jnp.where(mine, value, out_ref[rows, :])
+
+
 # ----------------------------------------------------------------------------
 # Forward: out[rows of g] = lhs[rows of g] @ rhs[g]
 # ----------------------------------------------------------------------------
@@ -152,20 +167,21 @@ def _gmm_kernel(
     seg_ref, tile_ref, seg_start_ref, seg_end_ref, _weight_group_ref,  # scalar prefetch (SMEM)
     lhs_ref, *refs,  # rhs (gated, concatenated: gate and up), gated: biases; out; an f32 accumulator per rhs
     tm: int, tk: int, k: int, tiles_k: int, num_segments: int, rhs_layout: str, row_chunk: int, glu=None,
-    glu_halves: str | None = None, num_bias: int = 0, valid_cols: int = 0,
+    glu_halves: str | None = None, num_bias: int = 0, valid_cols: int = 0, masked_store: bool = True,
 ):
     num_rhs = 2 if glu_halves == "concatenated" else 1
     rhs_refs, bias_refs = refs[:num_rhs], refs[num_rhs:num_rhs + num_bias]
     out_ref, acc_refs = refs[num_rhs + num_bias], refs[num_rhs + num_bias + 1:num_rhs + num_bias + 1 + num_rhs]
-    # Interleaved halves: the gate and selection per live row chunk, into act_ref.
-    gated_chunks = glu_halves == "interleaved" and row_chunk < tm
+    k_rem = k % tk
+    whole_k = tiles_k == 1 and k_rem == 0
+    # Split K, interleaved halves: the gate and selection per live row chunk, into act_ref.
+    gated_chunks = glu_halves == "interleaved" and row_chunk < tm and not whole_k
     act_ref = refs[-1] if gated_chunks else None
     v, k_i = pl.program_id(1), pl.program_id(2)
     seg = seg_ref[v]
     is_local = (seg > 0) & (seg < num_segments - 1)
     w_contract = 1 if rhs_layout == "nk" else 0
     start, end = seg_start_ref[seg], seg_end_ref[seg]
-    k_rem = k % tk
 
     def finish(products):
         """The stored value: the product, or the gate applied to both halves' products."""
@@ -176,15 +192,24 @@ def _gmm_kernel(
             return glu(*products)
         return _gate_interleaved(products[0], glu, out_ref.dtype, pl.program_id(0), valid_cols)
 
-    if tiles_k == 1 and k_rem == 0 and row_chunk == tm:
-        # One whole-K step of one chunk: the product goes straight to the
-        # store, not through the accumulator (zeroing it, adding, reloading:
-        # three more passes over an f32 [tm, tn] tile per step).
-        @pl.when(is_local)
-        def _compute():
-            x = lhs_ref[...]
-            store_visit_rows(out_ref, finish([dot_f32(x, r[...], 1, w_contract) for r in rhs_refs]), v,
-                             tile_ref, tm, start, end)
+    if whole_k:
+        # One whole-K step: each live row chunk's product (gated, if so) goes
+        # straight to its rows of the output block. No accumulator (zeroing,
+        # adding and reloading an f32 [tm, tn] tile cost three vector passes
+        # per step), and no merge with the rows of the tile's other visits:
+        # every row of a tile belongs to exactly one visit's segment, and a
+        # visit writes only its own rows (a masked store), so the block is
+        # whole when the tile's last visit ends.
+        for c in range(tm // row_chunk):
+            rows = pl.ds(c * row_chunk, row_chunk)
+            first_row = tile_ref[v] * tm + c * row_chunk
+            live = is_local & (first_row < end) & (first_row + row_chunk > start)
+
+            @pl.when(live)
+            def _compute(rows=rows, first_row=first_row):
+                x = lhs_ref[rows, :]
+                value = finish([dot_f32(x, r[...], 1, w_contract) for r in rhs_refs])
+                store_chunk_rows(out_ref, rows, value, first_row, start, end, masked_store)
 
         @pl.when(jnp.logical_not(is_local))
         def _idle():
@@ -380,12 +405,15 @@ def gmm(
                                        lambda n_i, v, k_i, seg, tile, starts, ends, group: (group[v], 0, n_i))]
     out_spec = pl.BlockSpec((tm, tn), lambda n_i, v, k_i, seg, tile, *_: (tile[v], n_i))
 
+    # A whole-K step stores each row chunk's product directly: no accumulators.
+    whole_k = tiles_k == 1 and k % tk == 0
     kernel = functools.partial(
         _gmm_kernel, tm=tm, tk=tk, k=k, tiles_k=tiles_k,
         num_segments=num_segments, rhs_layout=rhs_layout,
         row_chunk=tiling_lib.row_chunk(tm, generation), glu=glu,
         glu_halves=glu_halves if glu is not None else None, num_bias=len(bias_specs),
         valid_cols=2 * n if glu is not None and not concatenated and n % tn else 0,
+        masked_store=not interpret,
     )
     # What the kernel reads, as XLA schedules around it: M rows touch at most
     # M experts (decode: 8 of 128), not every expert of rhs.
@@ -406,10 +434,10 @@ def gmm(
                         out_spec, (tm, tn_rhs if glu is not None and not concatenated else tn),
                         ("parallel", "arbitrary", "arbitrary"), cost,
                         f"ragged_dot_gmm_{'glu' if glu is not None else rhs_layout}", generation, interpret,
-                        num_visit_arrays=5, num_accumulators=len(rhs_specs),
+                        num_visit_arrays=5, num_accumulators=0 if whole_k else len(rhs_specs),
                         extra_scratch=[pltpu.VMEM((tm, tn), jnp.float32)]
-                        if glu is not None and not concatenated and tiling_lib.row_chunk(tm, generation) < tm
-                        else [],
+                        if glu is not None and not concatenated and not whole_k
+                        and tiling_lib.row_chunk(tm, generation) < tm else [],
                         large_vmem=tiling_lib.needs_large_vmem(vmem_tiles, lhs.dtype.itemsize, rhs.dtype.itemsize,
                                                                4, generation))
     return call(seg, tile, seg_starts, seg_ends, weight_group, lhs, *operands)
