@@ -346,6 +346,7 @@ def test_forward_tiles_differ_from_weight_grad_tiles_only_where_estimated_faster
     if generation in tiling.FORWARD_TILE_CAPS:
         assert forward.tm == (256 if generation == "tpu7x" else 512)
         assert forward.tn >= weight_grad.tn
-        assert tiling.working_set_bytes(forward, 2, 2, 4) <= tiling.vmem_budget(generation, row_chunks=True)
+        assert tiling.forward_working_set_bytes(forward, 2880, 2, 2, 4, generation) <= \
+            tiling.vmem_budget(generation, row_chunks=True)
     else:
         assert forward == weight_grad

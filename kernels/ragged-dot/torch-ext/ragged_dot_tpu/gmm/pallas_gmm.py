@@ -363,9 +363,11 @@ def gmm(
     if 0 in (m, k, n):  # nothing to compute: zeros (an empty contraction, or rows outside the groups)
         return jnp.zeros((m, n), out_dtype)
     if glu is not None and tiling is None:
+        # The rule over both halves' 2n columns, stored in out_dtype (a step
+        # stores one column per two weight columns: counted as two).
         t = gated_tiling(tiling_lib.choose_tiling(
             m, k, 2 * n, num_local, lhs_itemsize=lhs.dtype.itemsize, rhs_itemsize=rhs.dtype.itemsize,
-            out_itemsize=4, generation=generation, row_chunks=True), n)
+            out_itemsize=out_dtype.itemsize, generation=generation, row_chunks=True), n)
     else:
         t = _resolve_tiling(tiling, m, k, n, num_local, lhs, rhs, out_dtype, generation, row_chunks=True)
     tm, tk, tn = t.as_tuple()
@@ -439,7 +441,7 @@ def gmm(
                         if glu is not None and not concatenated and not whole_k
                         and tiling_lib.row_chunk(tm, generation) < tm else [],
                         large_vmem=tiling_lib.needs_large_vmem(vmem_tiles, lhs.dtype.itemsize, rhs.dtype.itemsize,
-                                                               4, generation))
+                                                               4, generation, forward_k=k))
     return call(seg, tile, seg_starts, seg_ends, weight_group, lhs, *operands)
 
 

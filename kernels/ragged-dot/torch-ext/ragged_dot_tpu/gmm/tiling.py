@@ -93,6 +93,23 @@ row and output tiles differ, see "Forward tiles"):
   kernel 4528; tpu7x (256, 7168, 512) 3751 -> (256, 4096, 2048) 2821 ((256,
   2048, 4096), past its 2048 cap, 2666); v5e (512, 14336, 512) 14115 ->
   (512, 7168, 1024) 13196.
+* Direct stores: a forward step over the whole K stores each live row
+  chunk's product straight into its rows of the output block (a masked
+  store; ``pallas_gmm``): no f32 accumulator, whose zeroing, adding and
+  reloading were three vector passes over the tile per step. Its working set
+  (``forward_working_set_bytes``) counts the product of one chunk and no
+  accumulator, and the forward budget of v5e and v6e is 15/16 of the 96 MiB
+  large limit, as on tpu7x (``FORWARD_VMEM_FRACTION``). TPU estimator, v6e:
+  gpt-oss-20b's up projection at 4096 tokens, (512, 2880, 2048), f32 out,
+  1509 -> 1421 us (a full step 15798 -> 14249 cycles); the layer (gated up +
+  down) at 512 / 4096 tokens: gpt-oss-20b 1189 / 2268 -> 1147 / 1991 us,
+  Qwen3-30B-A3B 836 / 1376 -> 811 / 1275, Mixtral-8x7B 1952 / 5282 -> 1923 /
+  5129. The freed VMEM then widens Mixtral-8x7B's tiles: down (512, 14336,
+  512) -> (512, 14336, 1024), 1811 -> 1669 us at 4096 tokens (the lhs is
+  re-read once per output tile: 1879 MB fetched -> 1228 us of DMA), gated up
+  (512, 4096, 1024) -> (512, 4096, 2048) per half, 3320 -> 3249 us (the gated
+  rule now counts the output in its own dtype, not f32); the layer 1923 /
+  5129 -> 1910 / 4916 us on v6e, 4449 / 18941 -> 4237 / 18240 on v5e.
 * Balanced tiles: a split K or N takes the narrowest MXU-aligned tile giving
   the same tile count (``balanced_tile``): Qwen3-30B-A3B's up projection (N =
   1536) on v6e runs two 768-wide column tiles instead of 1024 + 1024 with
@@ -177,9 +194,10 @@ FORWARD_TILE_CAPS = {
     "v6e": TileCaps(512, 4096, 16384, tm_min=512),
     "tpu7x": TileCaps(256, 1024, 16384, tm_min=128, wide_from_rows=64, wide_tn_max=2048),
 }
-# The forward kernels' VMEM budget where it is not ``vmem_budget``'s: on
-# tpu7x 15/16 of its 48 MiB large limit (45 MiB, not 36), see "Forward tiles".
-FORWARD_VMEM_FRACTION = {"tpu7x": (15, 16)}
+# The forward kernels' VMEM budget where it is not ``vmem_budget``'s: 15/16
+# of the large limit (tpu7x 45 MiB, not 36; v5e and v6e 90 MiB, not 72), see
+# "Forward tiles" and "Direct stores".
+FORWARD_VMEM_FRACTION = {"v5e": (15, 16), "v6e": (15, 16), "tpu7x": (15, 16)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,14 +210,27 @@ class Tiling:
         return (self.tm, self.tk, self.tn)
 
 
-def working_set_bytes(t: Tiling, lhs_bytes: int, rhs_bytes: int, out_bytes: int) -> int:
+def working_set_bytes(t: Tiling, lhs_bytes: int, rhs_bytes: int, out_bytes: int, *,
+                      direct_store_rows: int = 0) -> int:
     """Double-buffered lhs, rhs and out tiles, the f32 accumulator and the f32
     product of one step (Mosaic holds it in VMEM before the add: without it,
     Qwen3-30B-A3B's input gradient at 4096 tokens on v6e, tiles (512, 1536,
     2048), was counted at 24.1 MB, under the 32 MiB limit's budget, and
-    overflowed that limit)."""
+    overflowed that limit). ``direct_store_rows``: a forward step over the
+    whole K stores each row chunk of that many rows directly (``pallas_gmm``):
+    no accumulator, and the product of one chunk."""
     io = t.tm * t.tk * lhs_bytes + t.tk * t.tn * rhs_bytes + t.tm * t.tn * out_bytes
+    if direct_store_rows:
+        return 2 * io + direct_store_rows * t.tn * 4
     return 2 * io + 2 * t.tm * t.tn * 4
+
+
+def forward_working_set_bytes(t: Tiling, k: int, lhs_bytes: int, rhs_bytes: int, out_bytes: int,
+                              generation: str | None) -> int:
+    """``working_set_bytes`` of the forward kernel's tiles ``t`` for a contraction dim ``k``."""
+    whole_k = t.tk == k
+    return working_set_bytes(t, lhs_bytes, rhs_bytes, out_bytes,
+                             direct_store_rows=row_chunk(t.tm, generation) if whole_k else 0)
 
 
 def tile_caps(generation: str | None, row_chunks: bool) -> TileCaps:
@@ -245,12 +276,17 @@ def vmem_budget(generation: str | None, row_chunks: bool = False) -> int:
 
 
 def needs_large_vmem(t: Tiling, lhs_bytes: int, rhs_bytes: int, out_bytes: int,
-                     generation: str | None) -> bool:
+                     generation: str | None, *, forward_k: int = 0) -> bool:
     """Whether a kernel with tiles ``t`` asks for the large VMEM limit: only
     where the rule allows it and the tiles pass the default budget (smaller
-    tiles keep the default limit and the schedule they always had)."""
+    tiles keep the default limit and the schedule they always had).
+    ``forward_k``: the forward kernel's contraction dim (its working set)."""
     gen = tpu_generations.get_generation(generation)
-    return gen.name in TN_KEEP_K and working_set_bytes(t, lhs_bytes, rhs_bytes, out_bytes) > gen.vmem_budget
+    if forward_k:
+        working_set = forward_working_set_bytes(t, forward_k, lhs_bytes, rhs_bytes, out_bytes, generation)
+    else:
+        working_set = working_set_bytes(t, lhs_bytes, rhs_bytes, out_bytes)
+    return gen.name in TN_KEEP_K and working_set > gen.vmem_budget
 
 
 def row_chunk(tm: int, generation: str | None) -> int:
@@ -270,18 +306,23 @@ def choose_tiling(m: int, k: int, n: int, num_groups: int, *, lhs_itemsize: int,
     t = Tiling(row_tile(m, num_groups, min(lhs_itemsize, out_itemsize), gen.name, row_chunks=row_chunks),
                min(k, caps.tk_max), min(n, caps.tn_cap(rows_per_group(m, num_groups), n)))
     budget = vmem_budget(gen.name, row_chunks)
+
+    def working_set(c: Tiling) -> int:
+        if row_chunks:
+            return forward_working_set_bytes(c, k, lhs_itemsize, rhs_itemsize, out_itemsize, gen.name)
+        return working_set_bytes(c, lhs_itemsize, rhs_itemsize, out_itemsize)
+
     # A whole-K tile first: narrow the output tile down to TN_KEEP_K before
     # splitting K (a split K re-reads a group's weights on every row tile).
     # Only where that keeps K whole: a K that splits anyway keeps its wide
     # output tile ("Split K" in the module docstring).
     keep_k = TN_KEEP_K.get(gen.name, 0)
     narrowed = t
-    while keep_k and narrowed.tn > keep_k and \
-            working_set_bytes(narrowed, lhs_itemsize, rhs_itemsize, out_itemsize) > budget:
+    while keep_k and narrowed.tn > keep_k and working_set(narrowed) > budget:
         narrowed = Tiling(narrowed.tm, narrowed.tk, max(keep_k, halve_lane_aligned(narrowed.tn)))
-    if narrowed.tk == k and working_set_bytes(narrowed, lhs_itemsize, rhs_itemsize, out_itemsize) <= budget:
+    if narrowed.tk == k and working_set(narrowed) <= budget:
         t = narrowed
-    while working_set_bytes(t, lhs_itemsize, rhs_itemsize, out_itemsize) > budget:
+    while working_set(t) > budget:
         if t.tk > 128 and (t.tk >= t.tn or t.tn <= gen.mxu):
             t = Tiling(t.tm, halve_lane_aligned(t.tk), t.tn)
         elif t.tn > gen.mxu:
