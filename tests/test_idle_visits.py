@@ -80,3 +80,49 @@ def test_resident_groups_match_a_plain_loop(tokens):
         seg, *_ = pallas_gmm.forward_visits(jnp.asarray(sizes, jnp.int32), offset, num_local, m=m, tm=16)
         got = np.asarray(pallas_gmm.resident_groups(seg, num_local))
         assert got.tolist() == _resident_groups_reference(np.asarray(seg), num_local)
+
+
+def _visits_reference(seg_starts, seg_ends, tm, tiles_m, visit_empty):
+    """Plain loop: per segment in order, every row tile it touches (an empty
+    one: one visit of its clipped first tile, if ``visit_empty``), then the
+    sentinels (segment -1, the last visit's tile) up to the static bound + 1."""
+    seg, tile = [], []
+    for s, (a, b) in enumerate(zip(seg_starts, seg_ends)):
+        first = min(max(a // tm, 0), tiles_m - 1)
+        if b > a:
+            last = min(max((b - 1) // tm, first), tiles_m - 1)
+            tiles = range(first, last + 1)
+        else:
+            tiles = [first] if visit_empty else []
+        for t in tiles:
+            seg.append(s)
+            tile.append(t)
+    bound = tiles_m + len(seg_starts) - (0 if visit_empty else 1)
+    count = len(seg)
+    while len(seg) < bound + 1:
+        seg.append(-1)
+        tile.append(tile[count - 1] if count else 0)
+    return seg, tile, count
+
+
+@pytest.mark.parametrize("visit_empty", [False, True])
+def test_visits_match_a_plain_loop(visit_empty):
+    """The visit list (segment and row tile of each visit) against a loop, on
+    random ragged segments with empty ones and tiles that split them."""
+    rng = np.random.default_rng(SEED)
+    for _ in range(20):
+        num_segments = int(rng.integers(1, 12))
+        sizes = rng.integers(0, 40, num_segments) * (rng.random(num_segments) < 0.7)
+        ends = np.cumsum(sizes)
+        starts = ends - sizes
+        tm = int(rng.choice([8, 16, 32]))
+        m = max(int(ends[-1]), 1)
+        tiles_m = -(-m // tm)
+        seg, tile, count = pallas_gmm.make_visits(jnp.asarray(starts, jnp.int32), jnp.asarray(ends, jnp.int32),
+                                                  tm=tm, tiles_m=tiles_m, visit_empty=visit_empty)
+        want_seg, want_tile, want_count = _visits_reference(starts.tolist(), ends.tolist(), tm, tiles_m, visit_empty)
+        assert int(count) == want_count
+        assert np.asarray(seg).tolist() == want_seg, (sizes, tm)
+        assert np.asarray(tile)[:want_count].tolist() == want_tile[:want_count], (sizes, tm)
+        if want_count:  # sentinels keep the last visit's block
+            assert set(np.asarray(tile)[want_count:].tolist()) <= {want_tile[want_count - 1]}
