@@ -301,8 +301,14 @@ def _sem_key(ref, read):
 
 
 def _key_at(key, step):
+    """The key at one grid step: an index is a constant or one value per step."""
     var, index = key
-    return (var, tuple(None if v is UNKNOWN else int(np.broadcast_to(v, (step + 1,))[step]) for v in index))
+
+    def at(v):
+        v = np.asarray(v)
+        return int(v) if v.ndim == 0 else int(v.reshape(-1)[step])
+
+    return (var, tuple(None if v is UNKNOWN else at(v) for v in index))
 
 
 def _dma_bytes(ref, read=None, active=None) -> int:

@@ -150,6 +150,26 @@ def test_forward_row_chunks(layout, kind, generation, tm, chunk):
     _assert_close(out, want, jnp.float32, k, f"gmm row chunks sizes={sizes.tolist()}")
 
 
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("kind", ["random", "with_zeros", "one_huge", "sum_below_m"])
+@pytest.mark.parametrize("generation", ["v6e", "v4"])
+def test_forward_weight_prefetch(layout, kind, generation):
+    """Whole-K steps: the kernel's own weight pipeline (one TensorCore: v6e)
+    and the grid's (a megacore: v4), over three column tiles (the last one
+    partial) and many groups, so runs of visits chain their prefetches within
+    a column tile and across to the next; a local group window adds idle
+    visits before and after, which must not start a fetch of their own."""
+    from ragged_dot_tpu.gmm import pallas_gmm as kernels
+
+    assert kernels.prefetches_weights(True, generation) == (generation == "v6e")
+    rng = np.random.default_rng([SEED, 17, KINDS.index(kind), layout == "nk", generation == "v6e"])
+    m, k, n, g = int(rng.integers(300, 700)), int(rng.integers(1, 200)), 300, 9
+    lhs, rhs, sizes = _inputs(rng, m, k, n, g, kind, layout, jnp.float32, 7, 1)
+    out = _gmm(lhs, rhs, sizes, layout, jnp.float32, group_offset=1, tiling=(64, k, 128), generation=generation)
+    want = reference.ragged_dot(lhs, rhs, sizes, layout, group_offset=1)
+    _assert_close(out, want, jnp.float32, k, f"gmm weight prefetch k={k} sizes={sizes.tolist()}")
+
+
 # float64 references of gates the gated up projection applies (gates.py), at
 # alpha 1.5 and limit 4 for those that take them, and where their halves lie.
 GLU_REFERENCES = {

@@ -201,7 +201,7 @@ est = tpu_estimator.estimate(fn, [jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
                              flops=2 * m * k * n, min_bytes=2 * (m * k + 3 * n * k + m * n))
 [kern] = est.kernels
 print(json.dumps(dict(seconds=est.seconds, mxu=est.mxu_bound_s, hbm=est.hbm_bound_s, matched=kern.regions_matched,
-                      fetched=kern.fetched_bytes, steps=kern.steps)))
+                      fetched=kern.fetched_bytes + kern.manual_dma_bytes, steps=kern.steps)))
 """
 
 
@@ -218,7 +218,7 @@ def test_one_real_compile_estimate_at_or_above_both_rooflines():
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["matched"]
     assert r["seconds"] >= r["mxu"] and r["seconds"] >= r["hbm"]
-    # it reads at least the weights of the three experts with rows
+    # it reads at least the weights of the three experts with rows (the kernel's own DMAs: WeightPrefetch)
     assert r["fetched"] >= 3 * 768 * 1024 * 2
     assert r["seconds"] < 20 * max(r["mxu"], r["hbm"])  # and is not absurd
 

@@ -20,6 +20,8 @@ number of visits is data dependent and becomes the (dynamic) grid size; its
 static bound is ``tiles_m + segments - 1``. Within a visit the forward kernel
 computes only the row chunks (``tiling.row_chunk``) that hold rows of its
 segment, so a shared tile's visits split its MXU work instead of repeating it.
+With K whole on a one-TensorCore chip the forward kernel moves its weights
+itself, a run of visits ahead (``WeightPrefetch``).
 
 The gated up projection (``gmm(glu=)``, the experts program's unfused path)
 is the same walk with an MLP gate applied at the store: a step reads the
@@ -33,6 +35,7 @@ weights' dtype instead of an f32 ``[tm, 2 tn]`` product for XLA to gate.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Literal
 
@@ -43,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ..common.pallas_helpers import compiler_params, dot_f32, out_struct, row_mask, zero_past
+from ..common import tpu_generations
 from ..common.tile_math import cdiv
 from . import layouts, tiling as tiling_lib
 
@@ -139,6 +143,25 @@ def resident_groups(seg, num_local: int):
     return jnp.clip(group - 1, 0, num_local - 1).astype(jnp.int32)
 
 
+def weight_runs(weight_group, num_visits):
+    """Runs of consecutive visits that read one weight group, for the kernel
+    that fetches weights itself: ``(run_of_visit, run_group, num_runs)``.
+    ``run_group[r]`` is the group of run ``r`` (runs in visit order; entries
+    past ``num_runs`` are 0). Visits past ``num_visits`` stay in the last run."""
+    bound = weight_group.shape[0]
+    v = jnp.arange(bound, dtype=jnp.int32)
+    before = jnp.concatenate([weight_group[:1] - 1, weight_group[:-1]])  # visit 0 always starts a run
+    starts = (v < num_visits) & (weight_group != before)
+    run = running_sum(starts.astype(jnp.int32)) - 1
+    num_runs = jnp.sum(starts.astype(jnp.int32))
+    if bound <= SHORT_RUNNING_SUM:  # [runs, visits] compares, one fusion (see make_visits)
+        first = starts[None, :] & (run[None, :] == v[:, None])
+        run_group = jnp.sum(jnp.where(first, weight_group[None, :], 0), axis=1)
+    else:
+        run_group = jnp.zeros((bound,), jnp.int32).at[jnp.where(starts, run, bound)].set(weight_group, mode="drop")
+    return run.astype(jnp.int32), run_group.astype(jnp.int32), num_runs.reshape(1)
+
+
 def forward_visits(group_sizes, group_offset, num_local: int, *, m: int, tm: int):
     """Visits over [zero prefix, local groups..., zero suffix] covering all M rows:
     ``(seg, tile, num_visits, seg_starts, seg_ends, weight_group)``."""
@@ -184,17 +207,108 @@ def store_chunk_rows(out_ref, rows: pl.ds, value, first_row, start, end, masked_
 # ----------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightPrefetch:
+    """The forward kernel's own weight pipeline (whole-K steps, one
+    TensorCore). The grid pipeline fetches a block one step before the step
+    that reads it, so a new group's weight tile (16-34 MB at gpt-oss-20b or
+    Mixtral-8x7B) must arrive within the one step before, often a boundary
+    visit that computes half a tile: the rest of the fetch stalls the MXU.
+    Here the weights stay in HBM and two VMEM slots alternate over *runs*
+    (consecutive visits of one weight group, ``weight_runs``, in the order
+    of the grid: every run of column tile 0, then of tile 1...): the first
+    step of a run waits for its tile and starts the next run's, which then
+    has the whole run to arrive. The grid's steps run in order on one core,
+    so the column axis is "arbitrary" (a megacore would split it and break
+    the chain: v4 and v5p keep the grid's pipeline)."""
+
+    tiles_n: int
+    tn: int  # columns of one operand's tile
+    n: int  # columns of one operand (the last tile may be partial)
+    layout: str  # "nk", "kn", or "halves" (the [G, 2, I, K] view of concatenated gate / up halves)
+
+    def copies(self, hbm_refs, bufs, sems, group, n_i, slot, width: int):
+        out = []
+        for h, (hbm, buf) in enumerate(zip(hbm_refs, bufs)):
+            # Mosaic must see that a tile's first column is tile aligned (a
+            # column tile narrower than the operand is a multiple of 128).
+            first = 0 if self.tiles_n == 1 else pl.multiple_of(n_i * self.tn, 128)
+            cols = pl.ds(first, width)
+            if self.layout == "kn":
+                src, dst = hbm.at[group, :, cols], buf.at[slot, :, pl.ds(0, width)]
+            else:
+                src = hbm.at[group, h, cols, :] if self.layout == "halves" else hbm.at[group, cols, :]
+                dst = buf.at[slot, pl.ds(0, width), :]
+            out.append(pltpu.make_async_copy(src, dst, sems.at[h, slot]))
+        return out
+
+    def each(self, action: str, *args):
+        """Starts or waits for one tile of every operand; a partial last
+        column tile moves only its columns (the buffer's others are stale
+        weights or unset: their product columns are never stored)."""
+        *refs, group, n_i, slot = args
+        last = self.n - (self.tiles_n - 1) * self.tn
+
+        def run(width):
+            for copy in self.copies(*refs, group, n_i, slot, width):
+                getattr(copy, action)()
+
+        if last == self.tn:
+            run(self.tn)
+            return
+        pl.when(n_i < self.tiles_n - 1)(lambda: run(self.tn))
+        pl.when(n_i == self.tiles_n - 1)(lambda: run(last))
+
+    def fetch(self, hbm_refs, bufs, sems, run_ref, run_group_ref, num_runs_ref):
+        """This step's slot, after its weights arrived; starts the next run's."""
+        n_i, v = pl.program_id(0), pl.program_id(1)
+        run, num_runs = run_ref[v], num_runs_ref[0]
+        slot = (n_i * num_runs + run) % 2
+
+        @pl.when((v == 0) | (run_ref[jnp.maximum(v - 1, 0)] != run))
+        def _first_step_of_run():
+            @pl.when((n_i == 0) & (v == 0))
+            def _very_first():
+                self.each("start", hbm_refs, bufs, sems, run_group_ref[run], n_i, slot)
+
+            self.each("wait", hbm_refs, bufs, sems, run_group_ref[run], n_i, slot)
+            more = run + 1 < num_runs
+            next_n = jnp.where(more, n_i, n_i + 1)
+
+            @pl.when(next_n < self.tiles_n)
+            def _next():
+                self.each("start", hbm_refs, bufs, sems, run_group_ref[jnp.where(more, run + 1, 0)], next_n,
+                          1 - slot)
+
+        return slot
+
+
+
+def prefetches_weights(whole_k: bool, generation: str | None) -> bool:
+    """Whether the forward kernel runs ``WeightPrefetch`` (else the grid's pipeline)."""
+    return whole_k and tpu_generations.get_generation(generation).tensorcores == 1
+
+
 def _gmm_kernel(
-    seg_ref, tile_ref, seg_start_ref, seg_end_ref, _weight_group_ref,  # scalar prefetch (SMEM)
-    lhs_ref, *refs,  # rhs (gated, concatenated: gate and up), gated: biases; out; an f32 accumulator per rhs
+    *refs,  # scalar prefetch (SMEM): the visit arrays (+ weight runs); lhs; rhs (gated, concatenated: gate and
+    # up; in HBM when prefetched); gated: biases; out; scratch: an f32 accumulator per rhs, or the weight buffers
     tm: int, tk: int, k: int, tiles_k: int, num_segments: int, rhs_layout: str, row_chunk: int, glu=None,
     glu_halves: str | None = None, num_bias: int = 0, valid_cols: int = 0, masked_store: bool = True,
+    prefetch: WeightPrefetch | None = None,
 ):
+    num_scalars = 5 + (3 if prefetch else 0)
+    seg_ref, tile_ref, seg_start_ref, seg_end_ref = refs[:4]
+    lhs_ref, refs = refs[num_scalars], (refs[5:num_scalars], refs[num_scalars + 1:])
+    run_refs, refs = refs
     num_rhs = 2 if glu_halves == "concatenated" else 1
     rhs_refs, bias_refs = refs[:num_rhs], refs[num_rhs:num_rhs + num_bias]
     out_ref, acc_refs = refs[num_rhs + num_bias], refs[num_rhs + num_bias + 1:num_rhs + num_bias + 1 + num_rhs]
     k_rem = k % tk
     whole_k = tiles_k == 1 and k_rem == 0
+    if prefetch:
+        bufs, sems = acc_refs, refs[num_rhs + num_bias + 1 + num_rhs]
+        slot = prefetch.fetch(rhs_refs, bufs, sems, *run_refs)
+        rhs_refs = [buf.at[slot] for buf in bufs]
     # Split K, interleaved halves: the gate and selection per live row chunk, into act_ref.
     gated_chunks = glu_halves == "interleaved" and row_chunk < tm and not whole_k
     act_ref = refs[-1] if gated_chunks else None
@@ -408,35 +522,48 @@ def gmm(
         # tile, ``check_glu_args``); one spec per half, the same column tile.
         operands = [rhs.reshape(num_local, 2, n, k)] * 2
         rhs_specs = [pl.BlockSpec((pl.Squeezed(), pl.Squeezed(), tn, tk),
-                                  lambda n_i, v, k_i, seg, tile, starts, ends, group, h=h: (group[v], h, n_i, k_i))
+                                  lambda n_i, v, k_i, seg, tile, starts, ends, group, *_, h=h: (group[v], h, n_i, k_i))
                      for h in range(2)]
         if glu_bias is not None:
             operands += [glu_bias.reshape(num_local, 2, 1, n)] * 2
             bias_specs = [pl.BlockSpec((pl.Squeezed(), pl.Squeezed(), 1, tn),
-                                       lambda n_i, v, k_i, seg, tile, starts, ends, group, h=h: (group[v], h, 0, n_i))
+                                       lambda n_i, v, k_i, seg, tile, starts, ends, group, *_, h=h: (group[v], h, 0, n_i))
                           for h in range(2)]
     else:
         if rhs_layout == "nk":
             rhs_specs = [pl.BlockSpec((pl.Squeezed(), tn_rhs, tk),
-                                      lambda n_i, v, k_i, seg, tile, starts, ends, group: (group[v], n_i, k_i))]
+                                      lambda n_i, v, k_i, seg, tile, starts, ends, group, *_: (group[v], n_i, k_i))]
         else:
             rhs_specs = [pl.BlockSpec((pl.Squeezed(), tk, tn_rhs),
-                                      lambda n_i, v, k_i, seg, tile, starts, ends, group: (group[v], k_i, n_i))]
+                                      lambda n_i, v, k_i, seg, tile, starts, ends, group, *_: (group[v], k_i, n_i))]
         if glu_bias is not None:
             operands.append(glu_bias.reshape(num_local, 1, 2 * n))
             bias_specs = [pl.BlockSpec((pl.Squeezed(), 1, tn_rhs),
-                                       lambda n_i, v, k_i, seg, tile, starts, ends, group: (group[v], 0, n_i))]
+                                       lambda n_i, v, k_i, seg, tile, starts, ends, group, *_: (group[v], 0, n_i))]
     out_spec = pl.BlockSpec((tm, tn), lambda n_i, v, k_i, seg, tile, *_: (tile[v], n_i))
 
     # A whole-K step stores each row chunk's product directly: no accumulators.
     whole_k = tiles_k == 1 and k % tk == 0
+    scalars = [seg, tile, seg_starts, seg_ends, weight_group]
+    scratch = []
+    prefetch = None
+    if prefetches_weights(whole_k, generation):
+        prefetch = WeightPrefetch(tiles_n, tn if concatenated else tn_rhs, n if concatenated else n * (tn_rhs // tn),
+                                  "halves" if concatenated else rhs_layout)
+        scalars += list(weight_runs(weight_group, num_visits))
+        rhs_specs = [pl.BlockSpec(memory_space=pl.ANY)] * len(rhs_specs)
+        buf_shape = (2, tk, prefetch.tn) if rhs_layout == "kn" and not concatenated else (2, prefetch.tn, tk)
+        scratch = [pltpu.VMEM(buf_shape, rhs.dtype)] * len(rhs_specs) + [
+            pltpu.SemaphoreType.DMA((len(rhs_specs), 2))]
+    elif glu is not None and not concatenated and not whole_k and tiling_lib.row_chunk(tm, generation) < tm:
+        scratch = [pltpu.VMEM((tm, tn), jnp.float32)]  # the gated chunks' activations
     kernel = functools.partial(
         _gmm_kernel, tm=tm, tk=tk, k=k, tiles_k=tiles_k,
         num_segments=num_segments, rhs_layout=rhs_layout,
         row_chunk=tiling_lib.row_chunk(tm, generation), glu=glu,
         glu_halves=glu_halves if glu is not None else None, num_bias=len(bias_specs),
         valid_cols=2 * n if glu is not None and not concatenated and n % tn else 0,
-        masked_store=not interpret,
+        masked_store=not interpret, prefetch=prefetch,
     )
     # What the kernel reads, as XLA schedules around it: M rows touch at most
     # M experts (decode: 8 of 128), not every expert of rhs.
@@ -455,15 +582,13 @@ def gmm(
     call = _visits_call(kernel, out_struct((m, n), out_dtype, lhs, rhs, group_sizes),
                         (tiles_n, num_visits, tiles_k), [lhs_spec, *rhs_specs, *bias_specs],
                         out_spec, (tm, tn_rhs if glu is not None and not concatenated else tn),
-                        ("parallel", "arbitrary", "arbitrary"), cost,
+                        ("arbitrary" if prefetch else "parallel", "arbitrary", "arbitrary"), cost,
                         f"ragged_dot_gmm_{'glu' if glu is not None else rhs_layout}", generation, interpret,
-                        num_visit_arrays=5, num_accumulators=0 if whole_k else len(rhs_specs),
-                        extra_scratch=[pltpu.VMEM((tm, tn), jnp.float32)]
-                        if glu is not None and not concatenated and not whole_k
-                        and tiling_lib.row_chunk(tm, generation) < tm else [],
+                        num_visit_arrays=len(scalars), num_accumulators=0 if whole_k else len(rhs_specs),
+                        extra_scratch=scratch,
                         large_vmem=tiling_lib.needs_large_vmem(vmem_tiles, lhs.dtype.itemsize, rhs.dtype.itemsize,
                                                                4, generation, forward_k=k))
-    return call(seg, tile, seg_starts, seg_ends, weight_group, lhs, *operands)
+    return call(*scalars, lhs, *operands)
 
 
 GLU_HALVES = ("concatenated", "interleaved")
