@@ -155,15 +155,18 @@ def test_forward_row_chunks(layout, kind, generation, tm, chunk):
 @pytest.mark.parametrize("generation", ["v6e", "v4"])
 def test_forward_weight_prefetch(layout, kind, generation):
     """Whole-K steps: the kernel's own weight pipeline (one TensorCore: v6e)
-    and the grid's (a megacore: v4), over three column tiles (the last one
-    partial) and many groups, so runs of visits chain their prefetches within
+    and the grid's (a megacore: v4), over three column tiles and many groups, so runs of visits chain their prefetches within
     a column tile and across to the next; a local group window adds idle
     visits before and after, which must not start a fetch of their own."""
     from ragged_dot_tpu.gmm import pallas_gmm as kernels
 
     assert kernels.prefetches_weights(True, generation) == (generation == "v6e")
     rng = np.random.default_rng([SEED, 17, KINDS.index(kind), layout == "nk", generation == "v6e"])
-    m, k, n, g = int(rng.integers(300, 700)), int(rng.integers(1, 200)), 300, 9
+    # Three column tiles of 128: "nk" with a partial last one (64 rows of
+    # weights: a legal DMA), "kn" whole ones (a partial lane tile would take
+    # the grid's pipeline, WeightBlock.tiles_align).
+    m, k, n, g = int(rng.integers(300, 700)), int(rng.integers(1, 200)), 320 if layout == "nk" else 384, 9
+    assert kernels.WeightBlock(layout, 128, n, k).tiles_align(3, 4)
     lhs, rhs, sizes = _inputs(rng, m, k, n, g, kind, layout, jnp.float32, 7, 1)
     out = _gmm(lhs, rhs, sizes, layout, jnp.float32, group_offset=1, tiling=(64, k, 128), generation=generation)
     want = reference.ragged_dot(lhs, rhs, sizes, layout, group_offset=1)
@@ -304,11 +307,13 @@ def test_visit_count_skips_empty_groups():
 
 
 @pytest.mark.parametrize("kind", ["random", "with_zeros", "all_empty"])
-def test_fused_glu_experts_kernel(kind):
-    """gate_up -> silu(gate) * up -> down in one kernel, against a float64 loop."""
+@pytest.mark.parametrize("generation", ["v6e", "v4"])
+def test_fused_glu_experts_kernel(kind, generation):
+    """gate_up -> silu(gate) * up -> down in one kernel, against a float64 loop:
+    experts fetched by the kernel a run ahead (v6e) or by the grid (v4)."""
     from moe_experts_tpu.experts import pallas_fused_experts
 
-    rng = np.random.default_rng([SEED, 400 + KINDS.index(kind)])
+    rng = np.random.default_rng([SEED, 400 + KINDS.index(kind), generation == "v6e"])
     m, h, i, e = int(rng.integers(1, 60)), 128, 48, 5
     x = rng.standard_normal((m, h)).astype(np.float32)
     gate_up = (rng.standard_normal((e, 2 * i, h)) * 0.1).astype(np.float32)
@@ -316,7 +321,7 @@ def test_fused_glu_experts_kernel(kind):
     sizes = reference.random_group_sizes(rng, e, m, kind).astype(np.int32)
     got = pallas_fused_experts.fused_glu_experts(
         jnp.asarray(x), jnp.asarray(gate_up), jnp.asarray(down), jnp.asarray(sizes),
-        gate="glu_silu", tm=8, interpret=pallas_helpers.interpret_params())
+        gate="glu_silu", tm=8, generation=generation, interpret=pallas_helpers.interpret_params())
     want = np.zeros((m, h))
     starts, ends = reference.bounds(sizes)
     for g in range(e):

@@ -322,8 +322,12 @@ def test_experts_program_matches_the_program_on_dequantized_weights(fmt_name, ga
     assert not np.isnan(got).any()
     scale = np.abs(want64).max()
     tol = TOL[dtype]
+    # Both programs are held to ``tol`` of float64 (below, and the dense one's
+    # own tests); the dense one also rounds the dequantized weights to
+    # ``dtype`` (fp8 x block scale is not a bf16 value), the quantized one does
+    # not, so the two may differ by up to both errors (seen: 0.0088 + 0.0032).
     np.testing.assert_allclose(got / scale, np.asarray(jnp.asarray(dense, jnp.float32)) / scale, rtol=0,
-                               atol=tol, err_msg=f"vs the program on dequantized weights, seed={SEED}")
+                               atol=2 * tol, err_msg=f"vs the program on dequantized weights, seed={SEED}")
     np.testing.assert_allclose(got / scale, want64 / scale, rtol=0, atol=tol,
                                err_msg=f"vs float64, seed={SEED}")
 

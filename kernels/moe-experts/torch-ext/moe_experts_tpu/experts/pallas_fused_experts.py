@@ -5,6 +5,11 @@ VMEM (gate rows, up rows and down of ``g``) and writes only the final
 ``[tm, H]`` rows; the ``[M, 2I]`` intermediate never touches HBM.
 Consecutive visits of one expert reuse its weight blocks (same block
 index), so every active expert's weights are read exactly once.
+On one-TensorCore chips the kernel fetches each expert itself while the
+previous expert's visits run (``pallas_gmm.WeightPrefetch``), not during the
+one step before: estimated, v6e Qwen3-30B-A3B 4096 tokens, the kernel's
+compute 1068 us and DMA 982 us overlapped to 1257 us with the grid's
+pipeline; see ``bench/results/tpu_estimates.md`` for the figure with it.
 
 When it is used (``fused_row_tile``): weights in the "nk" layout (``gate_up
 [E, 2I, H]`` with gate then up halves, ``down [E, H, I]``), a named GLU gate,
@@ -82,9 +87,14 @@ def fused_row_tile(gate: str, rhs_layout: str, m: int, hidden: int, inter: int, 
     return tm
 
 
-def _kernel(seg_ref, tile_ref, seg_start_ref, seg_end_ref, _weight_group_ref,
-            x_ref, gate_ref, up_ref, down_ref, out_ref,
-            *, tm: int, num_segments: int, activation):
+def _kernel(*refs, tm: int, num_segments: int, activation, prefetch: pallas_gmm.WeightPrefetch | None):
+    num_scalars = 5 + (3 if prefetch else 0)
+    seg_ref, tile_ref, seg_start_ref, seg_end_ref = refs[:4]
+    x_ref, gate_ref, up_ref, down_ref, out_ref = refs[num_scalars:num_scalars + 5]
+    if prefetch:  # the expert's weights from the kernel's own pipeline (pallas_gmm.WeightPrefetch)
+        *bufs, sems = refs[num_scalars + 5:]
+        slot = prefetch.fetch((gate_ref, up_ref, down_ref), bufs, sems, *refs[5:8])
+        gate_ref, up_ref, down_ref = (buf.at[slot] for buf in bufs)
     v = pl.program_id(0)
     seg = seg_ref[v]
     is_local = (seg > 0) & (seg < num_segments - 1)
@@ -117,7 +127,7 @@ def fused_glu_experts(x, gate_up, down, group_sizes, *, gate: str, out_dtype=Non
 
     # Idle visits (rows of remote experts, past the sum) keep the resident expert.
     def expert_block(half):
-        return lambda v, seg, tile, starts, ends, group: (group[v], half, 0)
+        return lambda v, seg, tile, starts, ends, group, *_: (group[v], half, 0)
 
     in_specs = [
         pl.BlockSpec((tm, hidden), lambda v, seg, tile, *_: (tile[v], 0)),
@@ -126,15 +136,27 @@ def fused_glu_experts(x, gate_up, down, group_sizes, *, gate: str, out_dtype=Non
         pl.BlockSpec((pl.Squeezed(), hidden, inter), expert_block(0)),
     ]
     out_spec = pl.BlockSpec((tm, hidden), lambda v, seg, tile, *_: (tile[v], 0))
+    scalars, scratch, prefetch = [seg, tile, seg_starts, seg_ends, weight_group], [], None
+    if pallas_gmm.prefetches_weights(True, generation):
+        # Whole experts, a run of visits ahead (see pallas_gmm.WeightPrefetch).
+        prefetch = pallas_gmm.WeightPrefetch((pallas_gmm.WeightBlock("nk", inter, inter, hidden, 0),
+                                              pallas_gmm.WeightBlock("nk", inter, inter, hidden, 1),
+                                              pallas_gmm.WeightBlock("nk", hidden, hidden, inter)),
+                                             column_axis=None, visit_axis=0)
+        scalars += list(pallas_gmm.weight_runs(weight_group, num_visits))
+        in_specs[1:] = [pl.BlockSpec(memory_space=pl.ANY)] * 3
+        scratch = prefetch.scratch(gate_up.dtype)
     kernel = functools.partial(_kernel, tm=tm, num_segments=num_experts + 2,
-                               activation=glu_activation(gate))
+                               activation=glu_activation(gate), prefetch=prefetch)
+    halves = gate_up.reshape(num_experts, 2, inter, hidden) if prefetch else gate_up
     return pl.pallas_call(
         kernel,
         out_shape=pallas_helpers.out_struct((m, hidden), out_dtype, x, gate_up, down, group_sizes),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5, grid=(num_visits,), in_specs=in_specs, out_specs=out_spec,
+            num_scalar_prefetch=len(scalars), grid=(num_visits,), in_specs=in_specs, out_specs=out_spec,
+            scratch_shapes=scratch,
         ),
         compiler_params=pallas_helpers.compiler_params(generation, ("arbitrary",), large_vmem=True),
         interpret=interpret,
         name="fused_glu_experts",
-    )(seg, tile, seg_starts, seg_ends, weight_group, x, gate_up, gate_up, down)
+    )(*scalars, x, halves, halves, down)

@@ -47,7 +47,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ..common.pallas_helpers import compiler_params, dot_f32, out_struct, row_mask, zero_past
 from ..common import tpu_generations
-from ..common.tile_math import cdiv
+from ..common.tile_math import cdiv, sublane
 from . import layouts, tiling as tiling_lib
 
 RhsLayout = Literal["nk", "kn"]
@@ -208,8 +208,43 @@ def store_chunk_rows(out_ref, rows: pl.ds, value, first_row, start, end, masked_
 
 
 @dataclasses.dataclass(frozen=True)
+class WeightBlock:
+    """One weight operand of ``WeightPrefetch``: ``layout`` "nk" (``[G, N, K]``,
+    or with ``half`` the ``[G, 2, N, K]`` view of concatenated gate / up
+    halves) or "kn" (``[G, K, N]``); column tiles ``tn`` wide over ``n``, the
+    whole contraction ``k``."""
+
+    layout: str
+    tn: int
+    n: int
+    k: int
+    half: int | None = None
+
+    def copy(self, hbm, buf, sem, group, n_i, slot, tiles_n: int, last: bool):
+        width = self.n - (tiles_n - 1) * self.tn if last else self.tn
+        # Mosaic must see that a tile's first column is tile aligned (a
+        # column tile narrower than the operand is a multiple of 128).
+        cols = pl.ds(0 if tiles_n == 1 else pl.multiple_of(n_i * self.tn, 128), width)
+        if self.layout == "kn":
+            src, dst = hbm.at[group, :, cols], buf.at[slot, :, pl.ds(0, width)]
+        else:
+            src = hbm.at[group, cols, :] if self.half is None else hbm.at[group, self.half, cols, :]
+            dst = buf.at[slot, pl.ds(0, width), :]
+        return pltpu.make_async_copy(src, dst, sem)
+
+    def tiles_align(self, tiles_n: int, itemsize: int) -> bool:
+        """Whether a partial last column tile is a legal DMA: Mosaic slices
+        whole (sublane, 128) tiles only. Else the grid's pipeline moves it."""
+        last = self.n - (tiles_n - 1) * self.tn
+        return tiles_n == 1 or last % (128 if self.layout == "kn" else sublane(itemsize)) == 0
+
+    def buffer(self, dtype):
+        return pltpu.VMEM((2, self.k, self.tn) if self.layout == "kn" else (2, self.tn, self.k), dtype)
+
+
+@dataclasses.dataclass(frozen=True)
 class WeightPrefetch:
-    """The forward kernel's own weight pipeline (whole-K steps, one
+    """A forward kernel's own weight pipeline (whole-K steps, one
     TensorCore). The grid pipeline fetches a block one step before the step
     that reads it, so a new group's weight tile (16-34 MB at gpt-oss-20b or
     Mixtral-8x7B) must arrive within the one step before, often a boundary
@@ -220,48 +255,36 @@ class WeightPrefetch:
     step of a run waits for its tile and starts the next run's, which then
     has the whole run to arrive. The grid's steps run in order on one core,
     so the column axis is "arbitrary" (a megacore would split it and break
-    the chain: v4 and v5p keep the grid's pipeline)."""
+    the chain: v4 and v5p keep the grid's pipeline). ``column_axis``: the
+    grid axis of the column tiles (None: one tile), ``visit_axis`` the
+    visits'."""
 
-    tiles_n: int
-    tn: int  # columns of one operand's tile
-    n: int  # columns of one operand (the last tile may be partial)
-    layout: str  # "nk", "kn", or "halves" (the [G, 2, I, K] view of concatenated gate / up halves)
+    blocks: tuple[WeightBlock, ...]
+    tiles_n: int = 1
+    column_axis: int | None = 0
+    visit_axis: int = 1
 
-    def copies(self, hbm_refs, bufs, sems, group, n_i, slot, width: int):
-        out = []
-        for h, (hbm, buf) in enumerate(zip(hbm_refs, bufs)):
-            # Mosaic must see that a tile's first column is tile aligned (a
-            # column tile narrower than the operand is a multiple of 128).
-            first = 0 if self.tiles_n == 1 else pl.multiple_of(n_i * self.tn, 128)
-            cols = pl.ds(first, width)
-            if self.layout == "kn":
-                src, dst = hbm.at[group, :, cols], buf.at[slot, :, pl.ds(0, width)]
-            else:
-                src = hbm.at[group, h, cols, :] if self.layout == "halves" else hbm.at[group, cols, :]
-                dst = buf.at[slot, pl.ds(0, width), :]
-            out.append(pltpu.make_async_copy(src, dst, sems.at[h, slot]))
-        return out
+    def scratch(self, dtype) -> list:
+        return [b.buffer(dtype) for b in self.blocks] + [pltpu.SemaphoreType.DMA((len(self.blocks), 2))]
 
-    def each(self, action: str, *args):
+    def each(self, action: str, hbm_refs, bufs, sems, group, n_i, slot):
         """Starts or waits for one tile of every operand; a partial last
         column tile moves only its columns (the buffer's others are stale
         weights or unset: their product columns are never stored)."""
-        *refs, group, n_i, slot = args
-        last = self.n - (self.tiles_n - 1) * self.tn
+        def run(last: bool):
+            for i, (b, hbm, buf) in enumerate(zip(self.blocks, hbm_refs, bufs)):
+                getattr(b.copy(hbm, buf, sems.at[i, slot], group, n_i, slot, self.tiles_n, last), action)()
 
-        def run(width):
-            for copy in self.copies(*refs, group, n_i, slot, width):
-                getattr(copy, action)()
-
-        if last == self.tn:
-            run(self.tn)
+        if all(b.n == self.tiles_n * b.tn for b in self.blocks):
+            run(False)
             return
-        pl.when(n_i < self.tiles_n - 1)(lambda: run(self.tn))
-        pl.when(n_i == self.tiles_n - 1)(lambda: run(last))
+        pl.when(n_i < self.tiles_n - 1)(lambda: run(False))
+        pl.when(n_i == self.tiles_n - 1)(lambda: run(True))
 
     def fetch(self, hbm_refs, bufs, sems, run_ref, run_group_ref, num_runs_ref):
         """This step's slot, after its weights arrived; starts the next run's."""
-        n_i, v = pl.program_id(0), pl.program_id(1)
+        n_i = 0 if self.column_axis is None else pl.program_id(self.column_axis)
+        v = pl.program_id(self.visit_axis)
         run, num_runs = run_ref[v], num_runs_ref[0]
         slot = (n_i * num_runs + run) % 2
 
@@ -547,14 +570,13 @@ def gmm(
     scalars = [seg, tile, seg_starts, seg_ends, weight_group]
     scratch = []
     prefetch = None
-    if prefetches_weights(whole_k, generation):
-        prefetch = WeightPrefetch(tiles_n, tn if concatenated else tn_rhs, n if concatenated else n * (tn_rhs // tn),
-                                  "halves" if concatenated else rhs_layout)
+    blocks = ((WeightBlock("nk", tn, n, k, 0), WeightBlock("nk", tn, n, k, 1)) if concatenated
+              else (WeightBlock(rhs_layout, tn_rhs, n * (tn_rhs // tn), k),))
+    if prefetches_weights(whole_k, generation) and all(b.tiles_align(tiles_n, rhs.dtype.itemsize) for b in blocks):
+        prefetch = WeightPrefetch(blocks, tiles_n)
         scalars += list(weight_runs(weight_group, num_visits))
         rhs_specs = [pl.BlockSpec(memory_space=pl.ANY)] * len(rhs_specs)
-        buf_shape = (2, tk, prefetch.tn) if rhs_layout == "kn" and not concatenated else (2, prefetch.tn, tk)
-        scratch = [pltpu.VMEM(buf_shape, rhs.dtype)] * len(rhs_specs) + [
-            pltpu.SemaphoreType.DMA((len(rhs_specs), 2))]
+        scratch = prefetch.scratch(rhs.dtype)
     elif glu is not None and not concatenated and not whole_k and tiling_lib.row_chunk(tm, generation) < tm:
         scratch = [pltpu.VMEM((tm, tn), jnp.float32)]  # the gated chunks' activations
     kernel = functools.partial(
