@@ -51,6 +51,9 @@ MODELS = {  # hidden, intermediate, experts, top_k, gate
     "gpt-oss-20b": (2880, 2880, 32, 4, "gpt_oss"),  # interleaved halves: no gated up projection
     "mixtral-8x7b": (4096, 14336, 8, 2, "glu_silu"),
     "deepseek-v3": (7168, 2048, 256, 8, "glu_silu"),
+    # google/gemma-4-26B-A4B text config: 128 experts of 704 (not a multiple of
+    # 128), top 8, a tanh-GELU GLU on concatenated halves.
+    "gemma-4-26b-a4b": (2816, 704, 128, 8, "glu_gelu_tanh"),
 }
 CONTENDERS = ("ours", "ours fused", "megablox@best", "tokamax@best", "tpu-inference-gmm")
 RESULTS = ROOT / "bench" / "results"
