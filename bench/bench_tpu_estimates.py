@@ -357,7 +357,7 @@ def main(argv=None):
         "states the estimator's error against measured timings (`tpu_calibration.md`). One experts layer's two "
         "matmuls and the gate on rows sorted by expert, bf16 inputs, f32 outputs, group sizes from a random "
         f"top-k routing (seed 0), {ROUTING_TEXT[args.routing]}. Each model's own gate (gpt-oss-20b: its clamped SwiGLU on "
-        "interleaved halves; the others a SiLU GLU on concatenated halves; gpt-oss rows of logs before the gated up "
+        "interleaved halves; Gemma-4-26B-A4B a tanh-GELU GLU, the others a SiLU GLU, on concatenated halves; gpt-oss rows of logs before the gated up "
         "projection used the concatenated GLU for every contender, which flattered all of them: its interleaved "
         "gate in XLA reads its halves with strided lane slices). 'ours' = the experts program's unfused path "
         "(`program.two_matmuls`: the first gmm applies the gate at its store, `gmm(glu=)`), 'ours fused' = one "
@@ -373,7 +373,8 @@ def main(argv=None):
         "peers at gpt-oss-20b, Mixtral-8x7B and Qwen3-30B-A3B 512 / 4096 tokens did the same (Mixtral-8x7B 512 "
         "tokens: megablox 1464 -> 1162 us, tokamax 1401 -> 1196; the others 0-4%; megablox's gpt-oss-20b 4096-token "
         "figure stays at its earlier, faster in-layer configs; they cannot run our 44 MiB whole-K Mixtral-8x7B "
-        "down tiles within their scoped VMEM limit)); the best peer column names its configs (tm, tk, tn) and tokamax's input buffers "
+        "down tiles within their scoped VMEM limit); Gemma-4-26B-A4B's peers, added last, walked one round from "
+        "their starts on v6e and ran their starts only on v5e and tpu7x); the best peer column names its configs (tm, tk, tn) and tokamax's input buffers "
         "(xN). Roofline: max(MXU-bound, HBM-bound: rows in, the weights of the experts that have rows, rows "
         f"out). Neither tokamax nor megablox takes fewer than 128 rows (decode).\n\n    {command_line(args)}\n\n"
         + tpu_inference_peers.table_note(args.contenders) + "\n\n".join(sections) + "\n")

@@ -166,10 +166,10 @@ def test_fused_row_tile_rule_on_v6e(tokens):
     tm = program.fused_kernel_row_tile(tokens * QWEN["top_k"], inputs[3], inputs[4], None, None,
                                        "glu_silu", "nk", "v6e")
     # Qwen3-30B-A3B experts fit whole in v6e VMEM: the rule picks the fused
-    # kernel at every token count. Rows: the forward kernels' 512-row tile
-    # (tiling.FORWARD_TILE_CAPS; 8 rows at 1 token: one 16-row tile), which the
-    # large VMEM budget holds; on v5e the 128-wide MXUs cap it at 128.
-    assert tm == {1: 16, 64: 512, 512: 512, 4096: 512}[tokens]
+    # kernel at every token count. Rows: the forward kernels' tile (8 rows at
+    # 1 token: one 16-row tile) capped at one MXU-wide pass, 256 rows on v6e,
+    # 128 on v5e's 128-wide MXUs.
+    assert tm == {1: 16, 64: 256, 512: 256, 4096: 256}[tokens]
     v5e = [aot.abstract_input("v5e")(*shape_dtype) for shape_dtype in _experts_inputs(tokens, QWEN)]
     assert program.fused_kernel_row_tile(tokens * QWEN["top_k"], v5e[3], v5e[4], None, None, "glu_silu", "nk",
                                          "v5e") == min(tm, 128)

@@ -7,28 +7,30 @@ Consecutive visits of one expert reuse its weight blocks (same block
 index), so every active expert's weights are read exactly once.
 On one-TensorCore chips the kernel fetches each expert itself while the
 previous expert's visits run (``pallas_gmm.WeightPrefetch``), not during the
-one step before: estimated, v6e Qwen3-30B-A3B 4096 tokens, the kernel's
-compute 1068 us and DMA 982 us overlapped to 1257 us with the grid's
-pipeline; see ``bench/results/tpu_estimates.md`` for the figure with it.
+one step before.
 
 When it is used (``fused_row_tile``): weights in the "nk" layout (``gate_up
 [E, 2I, H]`` with gate then up halves, ``down [E, H, I]``), a named GLU gate,
 and the double-buffered expert plus tiles within the generation's large VMEM
 budget (``tpu_generations.large_vmem_budget``: 72 MiB on v5e / v6e). The row
-tile starts from the grouped matmul's rule (``tiling.py``), at most
-``NARROW_MXU_TM_MAX`` on chips with 128-wide MXUs, and is halved, down to the
-sublane minimum, until the working set fits. Why, from the TPU estimator
-(``bench/tpu_estimator.py``, Qwen3-30B-A3B at 4096 tokens, fused kernel alone):
-v6e tm 128 / 256 / 512: 1394 / 1282 / 1262 us (a step pays the whole
-expert's weight push, so longer tiles win); v5e: 3281 / 3403 / 4750 us
-(four 128-wide MXUs: the rows a longer tile computes past a group's end cost
-more than the pushes it saves). tpu7x takes 256 rows (``FUSED_TM_MIN``)
-whatever the group size, where the matmuls' rule gives 128 below 64 rows per
-group: a step pays the expert's push, and 256 rows are one MXU-wide pass;
-512 rows lose, the kernel computing whole tiles without row chunks. The
-``bench_tpu_estimates`` layer, tpu7x Qwen3-30B-A3B: 64 / 512 tokens, tm 128
--> 256: 329.6 -> 326.8 / 394.7 -> 378.0 us; 4096 tokens, tm 256 / 512:
-704.8 / 859.4 us.
+tile starts from the grouped matmul's rule (``tiling.py``), at most one
+MXU-wide pass of rows (``chip.mxu``: 128 on v5e, 256 on v6e and tpu7x), and is
+halved, down to the sublane minimum, until the working set fits. Why, from
+the TPU estimator (``bench/tpu_estimator.py``, the kernel alone): the kernel
+computes whole row tiles (no row chunks), so rows past a group's end cost
+MXU time, while the expert's weights, fetched a run ahead, arrive under any
+tile's compute. v6e, tm 128 / 256 / 512: Qwen3-30B-A3B 4096 tokens 1194 /
+989 / 1078 us (DMA-bound 982), 512 tokens 769 / 769 / 770; Gemma-4-26B-A4B
+(I=704) 64 tokens 914 / 914 / 960, 512 tokens 972 / 972 / 1036, 4096 tokens
+1540 / 1275 / 1456 (512 rows, the matmuls' tile, was the best before the
+weight prefetch: 1394 / 1282 / 1262 us at Qwen3 4096 tokens, when a step
+waited for the expert's fetch). v5e (four 128-wide MXUs) before the prefetch,
+Qwen3 4096 tokens: 3281 / 3403 / 4750 us. tpu7x takes 256 rows
+(``FUSED_TM_MIN``) whatever the group size, where the matmuls' rule gives 128
+below 64 rows per group: a step pays the expert's push, and 256 rows are one
+MXU-wide pass. The ``bench_tpu_estimates`` layer, tpu7x Qwen3-30B-A3B: 64 /
+512 tokens, tm 128 -> 256: 329.6 -> 326.8 / 394.7 -> 378.0 us; 4096 tokens,
+tm 256 / 512: 704.8 / 859.4 us (before the prefetch).
 Qwen3-30B-A3B (I=768, H=2048, bf16: 9.4 MB per expert) fits; gpt-oss-20b
 (I=2880, interleaved) does not and takes the unfused path.
 Row visits and segment masking are the ones of ``pallas_gmm``.
@@ -49,7 +51,6 @@ from ..gmm import pallas_gmm, tiling as tiling_lib
 from .gates import glu_activation, lowers_in_kernel
 
 
-NARROW_MXU_TM_MAX = 128
 # Row tile floor where the grouped matmul's rule is not the fused kernel's
 # best (see the module docstring): tpu7x takes 256 rows whatever the group size.
 FUSED_TM_MIN = {"tpu7x": 256}
@@ -75,8 +76,7 @@ def fused_row_tile(gate: str, rhs_layout: str, m: int, hidden: int, inter: int, 
     tm = tiling_lib.choose_tiling(max(m, 1), hidden, 2 * inter, num_experts, lhs_itemsize=itemsize,
                                   rhs_itemsize=itemsize, out_itemsize=4, generation=generation).tm
     chip = tpu_generations.get_generation(generation)
-    if chip.mxu == 128:
-        tm = min(tm, NARROW_MXU_TM_MAX)
+    tm = min(tm, chip.mxu)  # one MXU-wide pass of rows (module docstring)
     if m >= 8:  # never past M rounded up to the sublane tile
         tm = max(tm, min(FUSED_TM_MIN.get(chip.name, 0), -(-m // min_rows) * min_rows))
     budget = chip.large_vmem_budget
