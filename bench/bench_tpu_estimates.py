@@ -374,7 +374,8 @@ def main(argv=None):
         "tokens: megablox 1464 -> 1162 us, tokamax 1401 -> 1196; the others 0-4%; megablox's gpt-oss-20b 4096-token "
         "figure stays at its earlier, faster in-layer configs; they cannot run our 44 MiB whole-K Mixtral-8x7B "
         "down tiles within their scoped VMEM limit); Gemma-4-26B-A4B's peers, added last, walked one round from "
-        "their starts on v6e and ran their starts only on v5e and tpu7x); the best peer column names its configs (tm, tk, tn) and tokamax's input buffers "
+        "their starts on v6e; on v5e and tpu7x they ran their starts and v6e's best, no walk (v6e's best up "
+        "tiles exceed v5e's scoped VMEM, so v5e's Gemma-4 peers flatter us most)); the best peer column names its configs (tm, tk, tn) and tokamax's input buffers "
         "(xN). Roofline: max(MXU-bound, HBM-bound: rows in, the weights of the experts that have rows, rows "
         f"out). Neither tokamax nor megablox takes fewer than 128 rows (decode).\n\n    {command_line(args)}\n\n"
         + tpu_inference_peers.table_note(args.contenders) + "\n\n".join(sections) + "\n")
