@@ -263,8 +263,9 @@ class WeightPrefetch:
     v6e Mixtral-8x7B 4096 tokens 4916 -> 4188 us, 512 tokens 1910 -> 1803,
     1 token 444 -> 432; gpt-oss-20b 4096 tokens 1954 -> 1769, 512 tokens
     1140 -> 1016; Qwen3-30B-A3B 4096 tokens 1294 -> 1048 (the fused kernel
-    1258 -> 1078); v5e Mixtral-8x7B 4096 tokens 18240 -> 16922; tpu7x Mixtral-8x7B
-    512 tokens 1069 -> 967 (``bench/results/tpu_estimates_*_weight_prefetch.log``)."""
+    1258 -> 1078, then 989 at 256-row tiles); v5e Mixtral-8x7B 4096 tokens
+    18240 -> 16922; tpu7x Mixtral-8x7B 512 tokens 1069 -> 967
+    (``bench/results/tpu_estimates_*_weight_prefetch.log``)."""
 
     blocks: tuple[WeightBlock, ...]
     tiles_n: int = 1
