@@ -144,15 +144,38 @@ def test_experts_program_compiles(generation, tokens, case, record_property):
     tm = program.fused_kernel_row_tile(tokens * model["top_k"], abstract[3], abstract[4],
                                        *(abstract[5:7] if model is GPT_OSS else (None, None)), gate, layout,
                                        generation)
-    # Qwen3-30B-A3B's 9.4 MB expert, double-buffered, fits the large VMEM budget
-    # of v5e/v5p/v6e (72 / 36 / 72 MiB) but not v4's 12 MiB; gpt-oss (biased,
-    # interleaved) never fuses.
+    # Qwen3-30B-A3B's 9.4 MB expert, double-buffered, fits the fused kernel's
+    # VMEM budget on v5e/v5p/v6e/tpu7x (90 / 36 / 90 / 45 MiB) but not v4's
+    # 12 MiB; gpt-oss (biased, interleaved) never fuses.
     assert (tm is not None) == (model is QWEN and generation != "v4")
     record_property("fused_row_tile", tm)
     fused = None if path == "rule" else False
 
     def fn(*a):
         return program.experts_forward(*a, gate=gate, rhs_layout=layout, fused=fused, generation=generation)
+
+    aot.compile_for(generation, fn, *inputs)
+
+
+GEMMA4 = dict(hidden=2816, inter=704, experts=128, top_k=8)
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v6e", "tpu7x"])
+def test_gemma4_experts_program_compiles(generation):
+    """Gemma-4-26B-A4B (I = 704, not a multiple of 128) through the rule at
+    4096 tokens: the fused kernel at one MXU-wide pass of rows, whose 11.9 MB
+    expert double-buffered (37.8 MiB counted at 256 rows) fits tpu7x's 45 MiB
+    forward budget, and the weights fetched a run ahead."""
+    from moe_experts_tpu.experts import program
+
+    inputs = _experts_inputs(4096, GEMMA4)
+    abstract = [aot.abstract_input(generation)(*shape_dtype) for shape_dtype in inputs]
+    tm = program.fused_kernel_row_tile(4096 * GEMMA4["top_k"], abstract[3], abstract[4], None, None,
+                                       "glu_gelu_tanh", "nk", generation)
+    assert tm == tpu_generations.get_generation(generation).mxu
+
+    def fn(*a):
+        return program.experts_forward(*a, gate="glu_gelu_tanh", generation=generation)
 
     aot.compile_for(generation, fn, *inputs)
 

@@ -11,8 +11,11 @@ one step before.
 
 When it is used (``fused_row_tile``): weights in the "nk" layout (``gate_up
 [E, 2I, H]`` with gate then up halves, ``down [E, H, I]``), a named GLU gate,
-and the double-buffered expert plus tiles within the generation's large VMEM
-budget (``tpu_generations.large_vmem_budget``: 72 MiB on v5e / v6e). The row
+and the double-buffered expert plus tiles within the grouped matmul's forward
+budget (15/16 of the large limit, ``tiling.FORWARD_VMEM_FRACTION``: 90 MiB on
+v5e / v6e, 45 on tpu7x; elsewhere ``tpu_generations.large_vmem_budget``); the
+3/4 budget (36 MiB) halved Gemma-4-26B-A4B's tpu7x tile to 128 rows, whose
+4096-token kernel then took 948 us against 812 at 256 (it compiles). The row
 tile starts from the grouped matmul's rule (``tiling.py``), at most one
 MXU-wide pass of rows (``chip.mxu``: 128 on v5e, 256 on v6e and tpu7x), and is
 halved, down to the sublane minimum, until the working set fits. Why, from
@@ -79,7 +82,10 @@ def fused_row_tile(gate: str, rhs_layout: str, m: int, hidden: int, inter: int, 
     tm = min(tm, chip.mxu)  # one MXU-wide pass of rows (module docstring)
     if m >= 8:  # never past M rounded up to the sublane tile
         tm = max(tm, min(FUSED_TM_MIN.get(chip.name, 0), -(-m // min_rows) * min_rows))
-    budget = chip.large_vmem_budget
+    # The working set counts the kernel's f32 temporaries, as the grouped
+    # matmul's forward rule does: the same share of the large limit.
+    fraction = tiling_lib.FORWARD_VMEM_FRACTION.get(chip.name)
+    budget = chip.large_vmem_limit * fraction[0] // fraction[1] if fraction else chip.large_vmem_budget
     while working_set_bytes(tm, hidden, inter, itemsize) > budget:
         if tm <= min_rows:
             return None
