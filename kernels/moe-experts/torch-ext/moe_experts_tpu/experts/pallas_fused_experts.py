@@ -28,12 +28,13 @@ tile's compute. v6e, tm 128 / 256 / 512: Qwen3-30B-A3B 4096 tokens 1194 /
 1540 / 1275 / 1456 (512 rows, the matmuls' tile, was the best before the
 weight prefetch: 1394 / 1282 / 1262 us at Qwen3 4096 tokens, when a step
 waited for the expert's fetch). v5e (four 128-wide MXUs) before the prefetch,
-Qwen3 4096 tokens: 3281 / 3403 / 4750 us. tpu7x takes 256 rows
-(``FUSED_TM_MIN``) whatever the group size, where the matmuls' rule gives 128
-below 64 rows per group: a step pays the expert's push, and 256 rows are one
-MXU-wide pass. The ``bench_tpu_estimates`` layer, tpu7x Qwen3-30B-A3B: 64 /
-512 tokens, tm 128 -> 256: 329.6 -> 326.8 / 394.7 -> 378.0 us; 4096 tokens,
-tm 256 / 512: 704.8 / 859.4 us (before the prefetch).
+Qwen3 4096 tokens: 3281 / 3403 / 4750 us. tpu7x, tm 128 / 256: Qwen3 64
+tokens 323.2 / 323.3, 512 tokens 342.9 / 343.3, 4096 tokens - / 603.0;
+Gemma-4 512 tokens 433.3 / 458.8, 2048 tokens 631.3 / 611.4, 4096 tokens
+948.3 / 811.6: the matmuls' rule (128 rows below 64 rows per group, else 256)
+picks the better one. (Before the prefetch tpu7x took 256 rows whatever the
+group size, as a step then paid the expert's fetch: Qwen3 512 tokens 394.7 ->
+378.0 us.)
 Qwen3-30B-A3B (I=768, H=2048, bf16: 9.4 MB per expert) fits; gpt-oss-20b
 (I=2880, interleaved) does not and takes the unfused path.
 Row visits and segment masking are the ones of ``pallas_gmm``.
@@ -52,11 +53,6 @@ from ..common import pallas_helpers, tpu_generations
 from ..common.tile_math import sublane
 from ..gmm import pallas_gmm, tiling as tiling_lib
 from .gates import glu_activation, lowers_in_kernel
-
-
-# Row tile floor where the grouped matmul's rule is not the fused kernel's
-# best (see the module docstring): tpu7x takes 256 rows whatever the group size.
-FUSED_TM_MIN = {"tpu7x": 256}
 
 
 def working_set_bytes(tm: int, hidden: int, inter: int, itemsize: int, out_itemsize: int = 4) -> int:
@@ -80,8 +76,6 @@ def fused_row_tile(gate: str, rhs_layout: str, m: int, hidden: int, inter: int, 
                                   rhs_itemsize=itemsize, out_itemsize=4, generation=generation).tm
     chip = tpu_generations.get_generation(generation)
     tm = min(tm, chip.mxu)  # one MXU-wide pass of rows (module docstring)
-    if m >= 8:  # never past M rounded up to the sublane tile
-        tm = max(tm, min(FUSED_TM_MIN.get(chip.name, 0), -(-m // min_rows) * min_rows))
     # The working set counts the kernel's f32 temporaries, as the grouped
     # matmul's forward rule does: the same share of the large limit.
     fraction = tiling_lib.FORWARD_VMEM_FRACTION.get(chip.name)

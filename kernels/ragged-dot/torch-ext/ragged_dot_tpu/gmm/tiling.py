@@ -136,7 +136,8 @@ tpu7x: ``--chips tpu7x --models qwen3-30b-a3b gpt-oss-20b mixtral-8x7b
 -> 1142.3, 4096 tokens 4390.2 -> 3953.3; Qwen3-30B-A3B two matmuls 8 / 64 /
 512 / 4096 tokens 142.2 / 375.4 / 480.4 / 989.7 -> 133.2 / 339.0 / 434.2 /
 923.1 (whole output dims), fused 512 tokens 394.7 -> 378.0
-(``pallas_fused_experts.FUSED_TM_MIN``); gpt-oss-20b and Mixtral-8x7B at 1
+(then a 256-row floor of the fused kernel, dropped with its weight prefetch:
+``pallas_fused_experts``); gpt-oss-20b and Mixtral-8x7B at 1
 to 64 tokens unchanged (same tiles).
 
 Quantized weights (``pallas_qgmm``) have their own rule, ``choose_quantized_tiling``
