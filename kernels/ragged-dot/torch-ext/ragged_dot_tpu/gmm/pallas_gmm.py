@@ -314,7 +314,6 @@ class WeightPrefetch:
         return slot
 
 
-
 def prefetches_weights(whole_k: bool, generation: str | None) -> bool:
     """Whether the forward kernel runs ``WeightPrefetch`` (else the grid's pipeline)."""
     return whole_k and tpu_generations.get_generation(generation).tensorcores == 1
