@@ -19,7 +19,7 @@ v5e / v6e, 45 on tpu7x; elsewhere ``tpu_generations.large_vmem_budget``); the
 tile starts from the grouped matmul's rule (``tiling.py``), at most one
 MXU-wide pass of rows (``chip.mxu``: 128 on v5e, 256 on v6e and tpu7x), and is
 halved, down to the sublane minimum, until the working set fits. Why, from
-the TPU estimator (``bench/tpu_estimator.py``, the kernel alone): the kernel
+the TPU estimator (``bench/fused_row_tiles.py``, the kernel alone): the kernel
 computes whole row tiles (no row chunks), so rows past a group's end cost
 MXU time, while the expert's weights, fetched a run ahead, arrive under any
 tile's compute. v6e, tm 128 / 256 / 512: Qwen3-30B-A3B 4096 tokens 1194 /
