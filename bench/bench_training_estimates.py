@@ -19,7 +19,11 @@ elementwise and the same for everyone: not counted.
   walk: its best may lie off these starts.
 
 The MXU-bound time is 3 x 2 x M x K x N flops per matmul at the chip's bf16
-peak. Writes bench/results/tpu_training_estimates.md.
+peak; the roofline is, per matmul, 3 x max(that / 3, the HBM time of one
+kernel's bf16 bytes: two of x [M, K], dout [M, N], W [E, K, N] read, the
+third written). A kernel with fewer flops per byte than the chip's peak
+ratio is HBM-bound and its MXU-bound time out of reach (Qwen3-30B-A3B at
+4096 tokens: its 128 experts' weights and gradients outweigh the rows). Writes bench/results/tpu_training_estimates.md.
 
     python bench/bench_training_estimates.py [--chips v6e] [--models ...] [--tokens 4096 16384]
 """
@@ -153,14 +157,18 @@ def run(chip: str, model: str, tokens: int, log=sys.stderr) -> dict:
                       f"({time.time() - t0:.0f} s)", file=log, flush=True)
                 if kernel not in peer or us < peer[kernel][0]:
                     peer[kernel] = (us, config)
+        experts = matmul_dims(model, tokens, matmul)[3]
         mxu = 3 * 2.0 * m * k * n / chip_.bf16_flops_per_s * 1e6
-        row[matmul] = {"ours": ours_us, "tokamax": peer, "mxu": mxu}
+        # Each kernel reads two of (x, W, dout) and writes the third, bf16.
+        hbm = 3 * 2.0 * (m * k + m * n + experts * k * n) / chip_.hbm_bytes_per_s * 1e6
+        row[matmul] = {"ours": ours_us, "tokamax": peer, "mxu": mxu, "roofline": max(mxu, hbm)}
     return row
 
 
 def table_row(model: str, tokens: int, row: dict) -> dict:
     ours_us = sum(r["ours"] for r in row.values())
     mxu = sum(r["mxu"] for r in row.values())
+    roofline = sum(r["roofline"] for r in row.values())
     complete = all(len(r["tokamax"]) == len(KERNELS) for r in row.values())
     peer_us = sum(us for r in row.values() for us, _ in r["tokamax"].values()) if complete else None
     configs = "; ".join(f"{matmul} " + ", ".join(f"{kernel} {c[:3]} x{c[3]}" for kernel, (_, c) in r["tokamax"].items())
@@ -169,6 +177,7 @@ def table_row(model: str, tokens: int, row: dict) -> dict:
             "tokamax us": f"{peer_us:.0f}" if peer_us else "-",
             "ours / tokamax": f"{ours_us / peer_us:.2f}" if peer_us else "-",
             "MXU-bound us": f"{mxu:.0f}", "ours / MXU-bound": f"{ours_us / mxu:.2f}",
+            "roofline us": f"{roofline:.0f}", "ours / roofline": f"{ours_us / roofline:.2f}",
             "tokamax configs (tm, tk, tn) x buffers": configs}
 
 

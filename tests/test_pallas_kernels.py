@@ -355,23 +355,52 @@ def test_row_tile_rule(generation):
     assert tiling.TILE_CAPS["v5e"].tm_min == tiling.TILE_CAPS["v6e"].tm_min == 128
 
 
-@pytest.mark.parametrize("generation", ["v4", "v5e", "v6e", "tpu7x"])
-def test_forward_tiles_differ_from_weight_grad_tiles_only_where_estimated_faster(generation):
-    """gpt-oss-20b's up projection at 512 tokens: the forward kernel takes
-    512-row tiles and wider output tiles on v5e and v6e, 256-row tiles (64 rows
-    per group) and 2048-wide ones on tpu7x (FORWARD_TILE_CAPS); the weight
-    gradient, and every kernel elsewhere, keep the group-size rule."""
+@pytest.mark.parametrize("generation", ["v4", "v5e", "v5p", "v6e", "tpu7x"])
+def test_weight_gradient_tiling(generation):
+    """tgmm's rule: the group-size row tile, the whole [K, N] gradient where
+    it fits the budget, else the larger side halved until it fits (each side
+    a multiple of 128 or the whole dim); at bf16 training shapes (tokens x
+    top-k rows)."""
     from ragged_dot_tpu.gmm import tiling
 
-    kw = dict(lhs_itemsize=2, rhs_itemsize=2, out_itemsize=4, generation=generation)
-    forward = tiling.choose_tiling(2048, 2880, 5760, 32, **kw)
-    weight_grad = tiling.choose_tiling(2048, 2880, 5760, 32, row_chunks=False, **kw)
+    kw = dict(lhs_itemsize=2, dout_itemsize=2, out_itemsize=2, generation=generation)
+    budget = tiling.vmem_budget(generation)
     caps = tiling.TILE_CAPS[generation]
-    assert weight_grad.tm == max(64, caps.tm_min, 16)
-    if generation in tiling.FORWARD_TILE_CAPS:
-        assert forward.tm == (256 if generation == "tpu7x" else 512)
-        assert forward.tn >= weight_grad.tn
-        assert tiling.forward_working_set_bytes(forward, 2880, 2, 2, 4, generation) <= \
-            tiling.vmem_budget(generation, row_chunks=True)
-    else:
-        assert forward == weight_grad
+    for m, k, n, g in [(32768, 2048, 1536, 128),  # Qwen3-30B-A3B up, 4096 tokens
+                       (32768, 768, 2048, 128),  # its down projection
+                       (16384, 2880, 5760, 32),  # gpt-oss-20b up
+                       (8192, 4096, 28672, 8),  # Mixtral-8x7B up
+                       (100, 200, 300, 3)]:  # unaligned
+        t = tiling.weight_gradient_tiling(m, k, n, g, **kw)
+        assert t.tm == tiling.row_tile(m, g, 2, generation), (generation, m, k, n, t)
+        assert tiling.weight_gradient_working_set_bytes(t, 2, 2, 2) <= budget, (generation, m, k, n, t)
+        for tile, dim in [(t.tk, k), (t.tn, n)]:
+            assert tile == dim or (tile % 128 == 0 and tile < dim), (generation, m, k, n, t)
+        whole = tiling.Tiling(t.tm, k, n)
+        if k <= caps.tk_max and n <= caps.tk_max and tiling.weight_gradient_working_set_bytes(whole, 2, 2, 2) <= budget:
+            assert t == whole, (generation, m, k, n, t)
+        else:
+            assert (t.tk, t.tn) != (k, n)
+    # The figures of "Weight gradient" in tiling's docstring.
+    assert tiling.weight_gradient_tiling(32768, 2048, 1536, 128, **{**kw, "generation": "v6e"}).as_tuple() == (256, 2048, 1536)
+    assert tiling.weight_gradient_tiling(32768, 2048, 1536, 128, **{**kw, "generation": "tpu7x"}).as_tuple() == (256, 1024, 1536)
+    assert tiling.weight_gradient_tiling(8192, 4096, 28672, 8, **{**kw, "generation": "v6e"}).as_tuple() == (512, 2048, 2048)
+
+
+@pytest.mark.parametrize("generation", ["v4", "v5e", "v6e", "tpu7x"])
+def test_forward_tiles_differ_from_group_size_rule_only_where_estimated_faster(generation):
+    """gpt-oss-20b's up projection at 512 tokens: the forward kernel takes
+    512-row tiles on v5e and v6e, 256-row tiles (64 rows per group) on tpu7x
+    (FORWARD_TILE_CAPS); v4 keeps the group-size rule, as the weight gradient
+    does everywhere."""
+    from ragged_dot_tpu.gmm import tiling
+
+    forward = tiling.choose_tiling(2048, 2880, 5760, 32, lhs_itemsize=2, rhs_itemsize=2, out_itemsize=4,
+                                   generation=generation)
+    group_size_rows = tiling.row_tile(2048, 32, 2, generation)
+    assert group_size_rows == max(64, tiling.TILE_CAPS[generation].tm_min, 16)
+    assert tiling.weight_gradient_tiling(2048, 2880, 5760, 32, lhs_itemsize=2, dout_itemsize=2, out_itemsize=4,
+                                         generation=generation).tm == group_size_rows
+    assert forward.tm == {"v5e": 512, "v6e": 512, "tpu7x": 256}.get(generation, group_size_rows)
+    assert tiling.forward_working_set_bytes(forward, 2880, 2, 2, 4, generation) <= \
+        tiling.vmem_budget(generation, row_chunks=True)

@@ -532,9 +532,13 @@ def gmm(
         # stores one column per two weight columns: counted as two).
         t = gated_tiling(tiling_lib.choose_tiling(
             m, k, 2 * n, num_local, lhs_itemsize=lhs.dtype.itemsize, rhs_itemsize=rhs.dtype.itemsize,
-            out_itemsize=out_dtype.itemsize, generation=generation, row_chunks=True), n)
+            out_itemsize=out_dtype.itemsize, generation=generation), n)
+    elif tiling is None:
+        t = tiling_lib.choose_tiling(m, k, n, num_local, lhs_itemsize=lhs.dtype.itemsize,
+                                     rhs_itemsize=rhs.dtype.itemsize, out_itemsize=out_dtype.itemsize,
+                                     generation=generation)
     else:
-        t = _resolve_tiling(tiling, m, k, n, num_local, lhs, rhs, out_dtype, generation, row_chunks=True)
+        t = _given_tiling(tiling, m, k, n)
     tm, tk, tn = t.as_tuple()
     tiles_m, tiles_k, tiles_n = cdiv(m, tm), cdiv(k, tk), cdiv(n, tn)
     # Columns of rhs a step reads: one tile of each half (interleaved: one tile 2 tn wide).
@@ -615,8 +619,8 @@ def gmm(
                         f"ragged_dot_gmm_{'glu' if glu is not None else rhs_layout}", generation, interpret,
                         num_visit_arrays=len(scalars), num_accumulators=0 if whole_k else len(rhs_specs),
                         extra_scratch=scratch,
-                        large_vmem=tiling_lib.needs_large_vmem(vmem_tiles, lhs.dtype.itemsize, rhs.dtype.itemsize,
-                                                               4, generation, forward_k=k))
+                        large_vmem=tiling_lib.needs_large_vmem(tiling_lib.forward_working_set_bytes(
+                            vmem_tiles, k, lhs.dtype.itemsize, rhs.dtype.itemsize, 4, generation), generation))
     return call(*scalars, lhs, *operands)
 
 
@@ -672,29 +676,43 @@ def _tgmm_kernel(
     acc_ref,
     *, tm: int, rhs_layout: str,
 ):
+    """One visit's ``lhs_tile^T @ dout_tile`` into its group's gradient.
+
+    A group's first visit writes the f32 accumulator (no zeroing pass), its
+    last one adds the accumulator to its product and stores the sum straight
+    into the output block (no separate pass re-reading the accumulator); a
+    group of one visit stores its product. Each case is its own ``pl.when``
+    holding the matmul, so a step runs exactly one of them (see "Weight
+    gradient" in ``tiling``)."""
     v = pl.program_id(2)
     seg, tile = seg_ref[v], tile_ref[v]
-    starts_group = (v == 0) | (seg_ref[jnp.maximum(v - 1, 0)] != seg)
-    ends_group = seg_ref[v + 1] != seg  # the sentinel -1 ends the last group
-
-    @pl.when(starts_group)
-    def _init():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
-
+    first = (v == 0) | (seg_ref[jnp.maximum(v - 1, 0)] != seg)
+    last = seg_ref[v + 1] != seg  # the sentinel -1 ends the last group
     start, end = seg_start_ref[seg], seg_end_ref[seg]
-    x = lhs_ref[...]
-    dy = dout_ref[...]
-    # Rows of other groups and rows past M (garbage) must not contribute.
-    x = jnp.where(row_mask(x.shape, tile, tm, start, end), x, jnp.zeros_like(x))
-    dy = jnp.where(row_mask(dy.shape, tile, tm, start, end), dy, jnp.zeros_like(dy))
-    if rhs_layout == "kn":
-        acc_ref[...] += dot_f32(x, dy, 0, 0)  # [tk, tn]
-    else:
-        acc_ref[...] += dot_f32(dy, x, 0, 0)  # [tn, tk]
 
-    @pl.when(ends_group)
-    def _store():
-        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+    def product():
+        x = lhs_ref[...]
+        dy = dout_ref[...]
+        # Rows of other groups and rows past M (garbage) must not contribute.
+        x = jnp.where(row_mask(x.shape, tile, tm, start, end), x, jnp.zeros_like(x))
+        dy = jnp.where(row_mask(dy.shape, tile, tm, start, end), dy, jnp.zeros_like(dy))
+        return dot_f32(x, dy, 0, 0) if rhs_layout == "kn" else dot_f32(dy, x, 0, 0)
+
+    @pl.when(first & last)
+    def _only():
+        out_ref[...] = product().astype(out_ref.dtype)
+
+    @pl.when(first & ~last)
+    def _open():
+        acc_ref[...] = product()
+
+    @pl.when(~first & ~last)
+    def _add():
+        acc_ref[...] += product()
+
+    @pl.when(~first & last)
+    def _close():
+        out_ref[...] = (acc_ref[...] + product()).astype(out_ref.dtype)
 
 
 def tgmm(
@@ -717,7 +735,12 @@ def tgmm(
     out_shape = layouts.weight_shape(num_local_groups, k, n, rhs_layout)
     if 0 in (m, k, n):  # no rows: every group's gradient is zero
         return jnp.zeros(out_shape, out_dtype)
-    t = _resolve_tiling(tiling, m, k, n, num_local_groups, lhs, dout, out_dtype, generation, row_chunks=False)
+    if tiling is None:
+        t = tiling_lib.weight_gradient_tiling(m, k, n, num_local_groups, lhs_itemsize=lhs.dtype.itemsize,
+                                              dout_itemsize=dout.dtype.itemsize, out_itemsize=out_dtype.itemsize,
+                                              generation=generation)
+    else:
+        t = _given_tiling(tiling, m, k, n)
     tm, tk, tn = t.as_tuple()
     tiles_m, tiles_k, tiles_n = cdiv(m, tm), cdiv(k, tk), cdiv(n, tn)
 
@@ -756,8 +779,8 @@ def tgmm(
                         [lhs_spec, dout_spec], out_spec, acc_shape,
                         ("parallel", "parallel", "arbitrary"), cost, f"ragged_dot_tgmm_{rhs_layout}",
                         generation, interpret, num_visit_arrays=4,
-                        large_vmem=tiling_lib.needs_large_vmem(t, lhs.dtype.itemsize, dout.dtype.itemsize,
-                                                               out_dtype.itemsize, generation))
+                        large_vmem=tiling_lib.needs_large_vmem(tiling_lib.weight_gradient_working_set_bytes(
+                            t, lhs.dtype.itemsize, dout.dtype.itemsize, out_dtype.itemsize), generation))
     return call(seg, tile, seg_starts, seg_ends, lhs, dout)
 
 
@@ -780,16 +803,8 @@ def _visits_call(kernel, out_shape, grid, in_specs, out_spec, acc_shape, semanti
     )
 
 
-def _resolve_tiling(tiling, m, k, n, num_groups, lhs, rhs, out_dtype, generation, *, row_chunks: bool):
-    if tiling is None:
-        return tiling_lib.choose_tiling(
-            m, k, n, num_groups,
-            lhs_itemsize=lhs.dtype.itemsize,
-            rhs_itemsize=rhs.dtype.itemsize,
-            out_itemsize=out_dtype.itemsize,
-            generation=generation,
-            row_chunks=row_chunks,
-        )
+def _given_tiling(tiling, m, k, n) -> tiling_lib.Tiling:
+    """A caller's ``(tm, tk, tn)``, checked."""
     t = tiling if isinstance(tiling, tiling_lib.Tiling) else tiling_lib.Tiling(*tiling)
     tiling_lib.validate_tiling(t, m, k, n)
     return t

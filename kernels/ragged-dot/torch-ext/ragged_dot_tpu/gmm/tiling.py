@@ -35,7 +35,8 @@ row and output tiles differ, see "Forward tiles"):
   whole-K tile no longer fits and K splits). The fused experts kernel takes
   the same row tile within its own VMEM rule (v6e Qwen3-30B-A3B 512 tokens
   830 -> 806 us, 4096 tokens 1280 -> 1260). The weight gradient (``tgmm``,
-  whole row tiles, no chunks) keeps the group-size rule.
+  whole row tiles, no chunks) keeps the group-size row tile (see "Weight
+  gradient").
 * Forward tiles on tpu7x (``FORWARD_TILE_CAPS["tpu7x"]``, ``wide_from_rows``):
   v6e's caps lose there (gpt-oss-20b 512 tokens 663 -> 685 us, Mixtral-8x7B
   512 tokens 1287 -> 1370: 512-row tiles split K within its VMEM). Its rule:
@@ -125,6 +126,25 @@ row and output tiles differ, see "Forward tiles"):
   chunks cost 5% more cycles when every chunk runs and save more: gpt-oss-20b
   4096 tokens 13396 -> 10782 us for the layer, Mixtral-8x7B 4096 tokens
   23455 -> 20738 us. v4 and v5p keep whole tiles (not estimated).
+* Weight gradient (``tgmm``, ``weight_gradient_tiling``): the group-size row
+  tile, and a gradient tile ``(tk, tn)`` as large as the VMEM budget allows,
+  from the whole ``[K, N]`` down, halving the larger side
+  (``weight_gradient_working_set_bytes``: the double-buffered tiles plus two
+  f32 gradient-sized buffers, the accumulator and one step's product). Every
+  gradient tile re-reads its rows of lhs and dout, so fewer, larger gradient
+  tiles fetch less; the kernel runs one ``pl.when`` per case of a visit
+  (a group's first, middle, last or only visit), each holding the matmul, so
+  no step pays a zeroing or a store pass over the accumulator (the estimator
+  counts a non-MXU region on every step that holds it). TPU estimator, bf16,
+  4096 tokens, the gradient alone, old (forward-rule tiles, zero / add /
+  store passes) -> new: v6e Qwen3-30B-A3B up 1209 -> 895 us (HBM-bound 634;
+  (256, 2048, 1536)), down 678 -> 512 (358); gpt-oss-20b up 2121 -> 1691,
+  down 1064 -> 830; Mixtral-8x7B up 4867 -> 3882 ((512, 2048, 2048)), down
+  2652 -> 1977; tpu7x Qwen3-30B-A3B up 801 -> 555 ((256, 1024, 1536)), down
+  469 -> 284. What is left above the HBM bound: a group's gradient (6 MB at
+  Qwen3's up projection) is written back while the next group's first tiles
+  are fetched, and the pipeline holds two buffers only (Mosaic refuses
+  ``pl.Buffered(3)``).
 
 Figures: ``python bench/bench_tpu_estimates.py --chips v6e v5e --models
 mixtral-8x7b gpt-oss-20b qwen3-30b-a3b --tokens 512 4096 --contenders ours
@@ -276,17 +296,12 @@ def vmem_budget(generation: str | None, row_chunks: bool = False) -> int:
     return gen.large_vmem_budget if gen.name in TN_KEEP_K else gen.vmem_budget
 
 
-def needs_large_vmem(t: Tiling, lhs_bytes: int, rhs_bytes: int, out_bytes: int,
-                     generation: str | None, *, forward_k: int = 0) -> bool:
-    """Whether a kernel with tiles ``t`` asks for the large VMEM limit: only
-    where the rule allows it and the tiles pass the default budget (smaller
-    tiles keep the default limit and the schedule they always had).
-    ``forward_k``: the forward kernel's contraction dim (its working set)."""
+def needs_large_vmem(working_set: int, generation: str | None) -> bool:
+    """Whether a kernel whose tiles take ``working_set`` bytes of VMEM asks
+    for the large limit: only where the rule allows it and the tiles pass the
+    default budget (smaller tiles keep the default limit and the schedule they
+    always had)."""
     gen = tpu_generations.get_generation(generation)
-    if forward_k:
-        working_set = forward_working_set_bytes(t, forward_k, lhs_bytes, rhs_bytes, out_bytes, generation)
-    else:
-        working_set = working_set_bytes(t, lhs_bytes, rhs_bytes, out_bytes)
     return gen.name in TN_KEEP_K and working_set > gen.vmem_budget
 
 
@@ -298,20 +313,18 @@ def row_chunk(tm: int, generation: str | None) -> int:
 
 
 def choose_tiling(m: int, k: int, n: int, num_groups: int, *, lhs_itemsize: int, rhs_itemsize: int,
-                  out_itemsize: int, generation: str | None = None, row_chunks: bool = True) -> Tiling:
-    """Applies the rule of the module docstring. ``row_chunks``: the tiles of
-    the forward kernels (``gmm`` and the fused experts kernel); False for the
-    weight gradient ``tgmm``, which computes whole row tiles."""
+                  out_itemsize: int, generation: str | None = None) -> Tiling:
+    """Applies the rule of the module docstring to the forward kernels
+    (``gmm``, its input gradient and the fused experts kernel); the weight
+    gradient has its own, ``weight_gradient_tiling``."""
     gen = tpu_generations.get_generation(generation)
-    caps = tile_caps(gen.name, row_chunks)
-    t = Tiling(row_tile(m, num_groups, min(lhs_itemsize, out_itemsize), gen.name, row_chunks=row_chunks),
+    caps = tile_caps(gen.name, row_chunks=True)
+    t = Tiling(row_tile(m, num_groups, min(lhs_itemsize, out_itemsize), gen.name, row_chunks=True),
                min(k, caps.tk_max), min(n, caps.tn_cap(rows_per_group(m, num_groups), n)))
-    budget = vmem_budget(gen.name, row_chunks)
+    budget = vmem_budget(gen.name, row_chunks=True)
 
     def working_set(c: Tiling) -> int:
-        if row_chunks:
-            return forward_working_set_bytes(c, k, lhs_itemsize, rhs_itemsize, out_itemsize, gen.name)
-        return working_set_bytes(c, lhs_itemsize, rhs_itemsize, out_itemsize)
+        return forward_working_set_bytes(c, k, lhs_itemsize, rhs_itemsize, out_itemsize, gen.name)
 
     # A whole-K tile first: narrow the output tile down to TN_KEEP_K before
     # splitting K (a split K re-reads a group's weights on every row tile).
@@ -331,6 +344,35 @@ def choose_tiling(m: int, k: int, n: int, num_groups: int, *, lhs_itemsize: int,
         else:
             break  # unreachable for K, N >= 128 at the budgets above; Mosaic would report it
     return Tiling(t.tm, balanced_tile(k, t.tk, 128), balanced_tile(n, t.tn, gen.mxu))
+
+
+def weight_gradient_working_set_bytes(t: Tiling, lhs_bytes: int, dout_bytes: int, out_bytes: int) -> int:
+    """``tgmm``'s VMEM: double-buffered lhs ``[tm, tk]``, dout ``[tm, tn]`` and
+    gradient ``[tk, tn]`` tiles, the f32 accumulator and the f32 product of one
+    step, both gradient-sized (the contraction runs over the rows)."""
+    io = t.tm * t.tk * lhs_bytes + t.tm * t.tn * dout_bytes + t.tk * t.tn * out_bytes
+    return 2 * io + 2 * t.tk * t.tn * 4
+
+
+def weight_gradient_tiling(m: int, k: int, n: int, num_groups: int, *, lhs_itemsize: int, dout_itemsize: int,
+                           out_itemsize: int, generation: str | None = None) -> Tiling:
+    """The weight gradient's tiles (see "Weight gradient"): the group-size
+    row tile, and the largest gradient tile ``(tk, tn)`` that fits the VMEM
+    budget, from the whole ``[K, N]`` down (halving the larger side): every
+    gradient tile re-reads the rows of the other operand."""
+    gen = tpu_generations.get_generation(generation)
+    caps = tile_caps(gen.name, row_chunks=False)
+    t = Tiling(row_tile(m, num_groups, min(lhs_itemsize, dout_itemsize), gen.name), min(k, caps.tk_max),
+               min(n, caps.tk_max))
+    budget = vmem_budget(gen.name)
+    while weight_gradient_working_set_bytes(t, lhs_itemsize, dout_itemsize, out_itemsize) > budget:
+        if t.tk >= t.tn and t.tk > 128:
+            t = Tiling(t.tm, halve_lane_aligned(t.tk), t.tn)
+        elif t.tn > 128:
+            t = Tiling(t.tm, t.tk, halve_lane_aligned(t.tn))
+        else:
+            break  # unreachable at the budgets above
+    return Tiling(t.tm, balanced_tile(k, t.tk, 128), balanced_tile(n, t.tn, 128))
 
 
 def balanced_tile(dim: int, tile: int, align: int) -> int:
