@@ -25,7 +25,7 @@ third written). A kernel with fewer flops per byte than the chip's peak
 ratio is HBM-bound and its MXU-bound time out of reach (Qwen3-30B-A3B at
 4096 tokens: its 128 experts' weights and gradients outweigh the rows). Writes bench/results/tpu_training_estimates.md.
 
-    python bench/bench_training_estimates.py [--chips v6e] [--models ...] [--tokens 4096 16384]
+    python bench/bench_training_estimates.py [--chips v6e] [--models ...] [--tokens 4096 16384] [--breakdown]
 """
 
 from __future__ import annotations
@@ -98,19 +98,31 @@ def tokamax_kernel(kernel: str, config: tuple[int, ...]):
                                      preferred_element_type=jnp.bfloat16)
 
 
-def ours(generation: str):
-    """``fn(x, w [E, N, K], dout, gs)``: our three kernels, as the torch op's autograd runs them."""
+def ours(generation: str, kernels=KERNELS):
+    """``fn(x, w [E, N, K], dout, gs)``: our ``kernels``, as the torch op's autograd runs them."""
     import jax.numpy as jnp
 
     from moe_experts_tpu.gmm import pallas_gmm
 
-    def fn(x, w, dout, gs):
-        out = pallas_gmm.gmm(x, w, gs, rhs_layout="nk", out_dtype=jnp.bfloat16, generation=generation)
-        dlhs = pallas_gmm.gmm(dout, w, gs, rhs_layout="kn", out_dtype=jnp.bfloat16, generation=generation)
-        drhs = pallas_gmm.tgmm(x, dout, gs, num_local_groups=w.shape[0], rhs_layout="nk", out_dtype=jnp.bfloat16,
-                               generation=generation)
-        return out, dlhs, drhs
-    return fn
+    run = {
+        "forward": lambda x, w, dout, gs: pallas_gmm.gmm(x, w, gs, rhs_layout="nk", out_dtype=jnp.bfloat16,
+                                                         generation=generation),
+        "dlhs": lambda x, w, dout, gs: pallas_gmm.gmm(dout, w, gs, rhs_layout="kn", out_dtype=jnp.bfloat16,
+                                                      generation=generation),
+        "drhs": lambda x, w, dout, gs: pallas_gmm.tgmm(x, dout, gs, num_local_groups=w.shape[0], rhs_layout="nk",
+                                                       out_dtype=jnp.bfloat16, generation=generation),
+    }
+    return lambda x, w, dout, gs: tuple(run[kernel](x, w, dout, gs) for kernel in kernels)
+
+
+def breakdown(chip: str, model: str, tokens: int) -> None:
+    """Prints each of our kernels alone (no peers, no table): the figures of
+    the tile rules' docstrings (``gmm/tiling.py``)."""
+    for matmul in peer_sweep.MATMULS:
+        args, (m, k, n) = arguments(model, tokens, matmul, "nk")
+        for kernel in KERNELS:
+            us = estimate_us("ours", ours(chip, (kernel,)), args, chip, m, k, n, 1)
+            print(f"[{chip}] {model} {tokens} {matmul} ours {kernel}: {us:.1f} us", flush=True)
 
 
 def arguments(model: str, tokens: int, matmul: str, weight_layout: str):
@@ -189,9 +201,16 @@ def main(argv=None):
     ap.add_argument("--models", nargs="+", default=["qwen3-30b-a3b", "gpt-oss-20b", "mixtral-8x7b"])
     ap.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384])
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--breakdown", action="store_true", help="print each of our kernels alone; no peers, no table")
     args = ap.parse_args(argv)
     flags.FLAGS(sys.argv[:1], known_only=True)  # tokamax reads absl flags
     use_shipped_packages()
+    if args.breakdown:
+        for chip in args.chips:
+            for model in args.models:
+                for tokens in args.tokens:
+                    breakdown(chip, model, tokens)
+        return
     sections = []
     for chip in args.chips:
         rows = [table_row(model, tokens, run(chip, model, tokens)) for model in args.models for tokens in args.tokens]

@@ -357,7 +357,7 @@ def test_row_tile_rule(generation):
 
 @pytest.mark.parametrize("generation", ["v4", "v5e", "v5p", "v6e", "tpu7x"])
 def test_weight_gradient_tiling(generation):
-    """tgmm's rule: the group-size row tile, the whole [K, N] gradient where
+    """tgmm's rule: the group-size row tile up to the MXU width, the whole [K, N] gradient where
     it fits the budget, else the larger side halved until it fits (each side
     a multiple of 128 or the whole dim); at bf16 training shapes (tokens x
     top-k rows)."""
@@ -372,7 +372,8 @@ def test_weight_gradient_tiling(generation):
                        (8192, 4096, 28672, 8),  # Mixtral-8x7B up
                        (100, 200, 300, 3)]:  # unaligned
         t = tiling.weight_gradient_tiling(m, k, n, g, **kw)
-        assert t.tm == tiling.row_tile(m, g, 2, generation), (generation, m, k, n, t)
+        mxu = tiling.tpu_generations.get_generation(generation).mxu
+        assert t.tm == min(tiling.row_tile(m, g, 2, generation), mxu), (generation, m, k, n, t)
         assert tiling.weight_gradient_working_set_bytes(t, 2, 2, 2) <= budget, (generation, m, k, n, t)
         for tile, dim in [(t.tk, k), (t.tn, n)]:
             assert tile == dim or (tile % 128 == 0 and tile < dim), (generation, m, k, n, t)
@@ -384,7 +385,8 @@ def test_weight_gradient_tiling(generation):
     # The figures of "Weight gradient" in tiling's docstring.
     assert tiling.weight_gradient_tiling(32768, 2048, 1536, 128, **{**kw, "generation": "v6e"}).as_tuple() == (256, 2048, 1536)
     assert tiling.weight_gradient_tiling(32768, 2048, 1536, 128, **{**kw, "generation": "tpu7x"}).as_tuple() == (256, 1024, 1536)
-    assert tiling.weight_gradient_tiling(8192, 4096, 28672, 8, **{**kw, "generation": "v6e"}).as_tuple() == (512, 2048, 2048)
+    assert tiling.weight_gradient_tiling(8192, 4096, 28672, 8, **{**kw, "generation": "v6e"}).as_tuple() == (256, 2048, 2048)
+    assert tiling.weight_gradient_tiling(16384, 2880, 5760, 32, **{**kw, "generation": "v5e"}).tm == 128
 
 
 @pytest.mark.parametrize("generation", ["v4", "v5e", "v6e", "tpu7x"])

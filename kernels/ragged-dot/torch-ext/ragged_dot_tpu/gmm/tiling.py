@@ -127,7 +127,9 @@ row and output tiles differ, see "Forward tiles"):
   4096 tokens 13396 -> 10782 us for the layer, Mixtral-8x7B 4096 tokens
   23455 -> 20738 us. v4 and v5p keep whole tiles (not estimated).
 * Weight gradient (``tgmm``, ``weight_gradient_tiling``): the group-size row
-  tile, and a gradient tile ``(tk, tn)`` as large as the VMEM budget allows,
+  tile up to the MXU width (one MXU-deep contraction: the weight gradient
+  computes whole row tiles, so a tile shared by two groups costs both the
+  whole tile), and a gradient tile ``(tk, tn)`` as large as the VMEM budget allows,
   from the whole ``[K, N]`` down, halving the larger side
   (``weight_gradient_working_set_bytes``: the double-buffered tiles plus two
   f32 gradient-sized buffers, the accumulator and one step's product). Every
@@ -141,7 +143,12 @@ row and output tiles differ, see "Forward tiles"):
   (256, 2048, 1536)), down 678 -> 512 (358); gpt-oss-20b up 2121 -> 1691,
   down 1064 -> 830; Mixtral-8x7B up 4867 -> 3882 ((512, 2048, 2048)), down
   2652 -> 1977; tpu7x Qwen3-30B-A3B up 801 -> 555 ((256, 1024, 1536)), down
-  469 -> 284. What is left above the HBM bound: a group's gradient (6 MB at
+  469 -> 284. Then the row tile capped at the MXU width, 512 -> 256 rows
+  (v5e and v5p 128): v6e gpt-oss-20b up 1691 -> 1609 us, down 830 -> 787,
+  Mixtral-8x7B up 3882 -> 3765, down 1977 -> 1927; tpu7x gpt-oss-20b up
+  1188 -> 1106; v5e gpt-oss-20b up 5979 -> 4727 (256 rows: 4785),
+  Mixtral-8x7B up 14388 -> 12864; v5p gpt-oss-20b up 2774 -> 2115. What is
+  left above the bounds: a group's gradient (6 MB at
   Qwen3's up projection) is written back while the next group's first tiles
   are fetched, and the pipeline holds two buffers only (Mosaic refuses
   ``pl.Buffered(3)``).
@@ -357,13 +364,14 @@ def weight_gradient_working_set_bytes(t: Tiling, lhs_bytes: int, dout_bytes: int
 def weight_gradient_tiling(m: int, k: int, n: int, num_groups: int, *, lhs_itemsize: int, dout_itemsize: int,
                            out_itemsize: int, generation: str | None = None) -> Tiling:
     """The weight gradient's tiles (see "Weight gradient"): the group-size
-    row tile, and the largest gradient tile ``(tk, tn)`` that fits the VMEM
-    budget, from the whole ``[K, N]`` down (halving the larger side): every
-    gradient tile re-reads the rows of the other operand."""
+    row tile up to one MXU-deep contraction (a tile shared by two groups is
+    computed once per group), and the largest gradient tile ``(tk, tn)`` that
+    fits the VMEM budget, from the whole ``[K, N]`` down (halving the larger
+    side): every gradient tile re-reads the rows of the other operand."""
     gen = tpu_generations.get_generation(generation)
     caps = tile_caps(gen.name, row_chunks=False)
-    t = Tiling(row_tile(m, num_groups, min(lhs_itemsize, dout_itemsize), gen.name), min(k, caps.tk_max),
-               min(n, caps.tk_max))
+    tm = min(row_tile(m, num_groups, min(lhs_itemsize, dout_itemsize), gen.name), gen.mxu)
+    t = Tiling(tm, min(k, caps.tk_max), min(n, caps.tk_max))
     budget = vmem_budget(gen.name)
     while weight_gradient_working_set_bytes(t, lhs_itemsize, dout_itemsize, out_itemsize) > budget:
         if t.tk >= t.tn and t.tk > 128:
