@@ -65,7 +65,7 @@ def test_forward_compiles(generation, case, record_property):
     _, _, _, m, k, n, g = case
     t = compile_gmm(generation, m, k, n, g, rhs_layout="nk")
     working_set = tiling.forward_working_set_bytes(t, k, 2, 2, 2, generation)
-    assert working_set <= tiling.vmem_budget(generation, row_chunks=True)
+    assert working_set <= tiling.vmem_budget(generation, exact_count=True)
     record_property("tiling", t.as_tuple())
     record_property("vmem_working_set", working_set)
 
@@ -84,7 +84,7 @@ def test_forward_f32_out_compiles(generation, case):
     of 96, whole-K steps holding no accumulator) compile within the limit."""
     _, _, _, m, k, n, g = case
     t = tiling.choose_tiling(m, k, n, g, lhs_itemsize=2, rhs_itemsize=2, out_itemsize=4, generation=generation)
-    assert tiling.forward_working_set_bytes(t, k, 2, 2, 4, generation) <= tiling.vmem_budget(generation, row_chunks=True)
+    assert tiling.forward_working_set_bytes(t, k, 2, 2, 4, generation) <= tiling.vmem_budget(generation, exact_count=True)
     aot.compile_for(generation, lambda x, w, s: pallas_gmm.gmm(x, w, s, rhs_layout="nk", tiling=t,
                                                                 out_dtype=jnp.float32, generation=generation),
                     ((m, k), jnp.bfloat16), ((g, n, k), jnp.bfloat16), ((g,), jnp.int32))
