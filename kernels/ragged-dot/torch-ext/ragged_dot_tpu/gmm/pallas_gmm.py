@@ -527,18 +527,16 @@ def gmm(
     concatenated = glu is not None and glu_halves == "concatenated"
     if 0 in (m, k, n):  # nothing to compute: zeros (an empty contraction, or rows outside the groups)
         return jnp.zeros((m, n), out_dtype)
-    if glu is not None and tiling is None:
-        # The rule over both halves' 2n columns, stored in out_dtype (a step
-        # stores one column per two weight columns: counted as two).
-        t = gated_tiling(tiling_lib.choose_tiling(
-            m, k, 2 * n, num_local, lhs_itemsize=lhs.dtype.itemsize, rhs_itemsize=rhs.dtype.itemsize,
-            out_itemsize=out_dtype.itemsize, generation=generation), n)
-    elif tiling is None:
-        t = tiling_lib.choose_tiling(m, k, n, num_local, lhs_itemsize=lhs.dtype.itemsize,
+    if tiling is not None:
+        t = _given_tiling(tiling, m, k, n)
+    else:
+        # Gated: the rule over both halves' 2n columns, stored in out_dtype (a
+        # step stores one column per two weight columns: counted as two).
+        t = tiling_lib.choose_tiling(m, k, n if glu is None else 2 * n, num_local, lhs_itemsize=lhs.dtype.itemsize,
                                      rhs_itemsize=rhs.dtype.itemsize, out_itemsize=out_dtype.itemsize,
                                      generation=generation)
-    else:
-        t = _given_tiling(tiling, m, k, n)
+        if glu is not None:
+            t = gated_tiling(t, n)
     tm, tk, tn = t.as_tuple()
     tiles_m, tiles_k, tiles_n = cdiv(m, tm), cdiv(k, tk), cdiv(n, tn)
     # Columns of rhs a step reads: one tile of each half (interleaved: one tile 2 tn wide).
