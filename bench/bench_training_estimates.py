@@ -23,7 +23,8 @@ peak; the roofline is, per matmul, 3 x max(that / 3, the HBM time of one
 kernel's bf16 bytes: two of x [M, K], dout [M, N], W [E, K, N] read, the
 third written). A kernel with fewer flops per byte than the chip's peak
 ratio is HBM-bound and its MXU-bound time out of reach (Qwen3-30B-A3B at
-4096 tokens: its 128 experts' weights and gradients outweigh the rows). Writes bench/results/tpu_training_estimates.md.
+4096 tokens: its 128 experts' weights and gradients outweigh the rows).
+Writes bench/results/tpu_training_estimates.md.
 
     python bench/bench_training_estimates.py [--chips v6e] [--models ...] [--tokens 4096 16384] [--breakdown]
 """
