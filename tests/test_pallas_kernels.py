@@ -290,6 +290,23 @@ def test_weight_grad_tiled_window_bf16(layout):
     _assert_close(got, want, jnp.bfloat16, m, "tgmm tiled window")
 
 
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_weight_grad_every_visit_case(layout):
+    """16-row tiles over groups [0, 50, 3, 30] + 7 rows past the groups: an
+    empty group, a group of four visits (first, two middle, last), a group
+    inside one tile (its only visit) and one opening and closing across
+    tiles; fresh random values against the float64 loop."""
+    rng = np.random.default_rng([SEED, 310, layout == "nk"])
+    sizes = np.array([0, 50, 3, 30], np.int32)
+    m, k, n = 90, 130, 140
+    lhs = rng.standard_normal((m, k)).astype(np.float32)
+    dout = rng.standard_normal((m, n)).astype(np.float32)
+    got = _tgmm(lhs, dout, sizes, 4, layout, jnp.float32, tiling=(16, 128, 128))
+    want = reference.weight_grad(lhs, dout, sizes, 4, layout)
+    _assert_close(got, want, jnp.float32, m, f"tgmm visit cases {layout}")
+    assert np.abs(np.asarray(got)[0]).max() == 0.0  # the empty group's gradient
+
+
 def test_empty_lhs():
     out = pallas_gmm.gmm(jnp.zeros((0, 8)), jnp.ones((2, 4, 8)), jnp.zeros((2,), jnp.int32))
     assert out.shape == (0, 4)
