@@ -116,8 +116,10 @@ def test_roundtrip_error_within_the_format_bound(fmt):
     ours = check_against_reference(w, fmt)
     w = w.astype(np.float32).astype(np.float64)
     err = np.abs(ours - w)
-    if fmt == "int8":  # half a step of amax / 127
-        assert (err <= np.abs(w).max(-1, keepdims=True) / 254 * (1 + 1e-6)).all()
+    if fmt == "int8":  # half a step of amax / 127, plus float32 rounding: the quantizer divides and rounds in
+        # float32, so a value within a few float32 ulps of a tie may round either way (ulps of amax, not of w)
+        amax = np.abs(w).max(-1, keepdims=True)
+        assert (err <= amax / 254 + amax * 2.0**-20).all()
     elif fmt == "fp8":  # 3 mantissa bits: half an ulp is 2^-4 relative (normals), 2^-10 * scale (subnormals)
         scale = np.abs(w).max() / 448
         assert (err <= np.maximum(np.abs(w) * 2.0**-4, scale * 2.0**-10) * (1 + 1e-6)).all()
