@@ -4,8 +4,10 @@ Per matmul of the layer (up: ``[M, H] x [E, H, 2I]``, down: ``[M, I] x [E, I, H]
 the three kernels a training step runs: the forward, the input gradient
 (``dlhs = dout @ W^T`` per group) and the weight gradient (``drhs = x^T @
 dout`` per group), bf16 in and out, group sizes of a random top-k routing
-(``bench_tpu_estimates.routing_group_sizes``, seed 0). The gate's backward is
-elementwise and the same for everyone: not counted.
+(``bench_tpu_estimates.routing_group_sizes``, seed 0; ``--routing skewed``: its
+skewed routing, a few hot experts and a cold or empty tail, with tokamax at the
+same starts). The gate's backward is elementwise and the same for everyone: not
+counted.
 
 - ours: ``gmm`` (forward), ``gmm`` on the other weight layout (input
   gradient), ``tgmm`` (weight gradient), our tile rule: what the torch op's
@@ -19,14 +21,18 @@ elementwise and the same for everyone: not counted.
   walk: its best may lie off these starts.
 
 The MXU-bound time is 3 x 2 x M x K x N flops per matmul at the chip's bf16
-peak; the roofline is, per matmul, 3 x max(that / 3, the HBM time of one
-kernel's bf16 bytes: two of x [M, K], dout [M, N], W [E, K, N] read, the
-third written). A kernel with fewer flops per byte than the chip's peak
+peak; the roofline is, per matmul, the sum over its three kernels of max(the
+kernel's MXU-bound time, the HBM time of its bf16 bytes: two of x [M, K],
+dout [M, N], W [E, K, N] read, the third written; the forward and input
+gradient read only the weights of experts with rows, the weight gradient
+writes every expert's, zeros included). A kernel with fewer flops per byte than the chip's peak
 ratio is HBM-bound and its MXU-bound time out of reach (Qwen3-30B-A3B at
 4096 tokens: its 128 experts' weights and gradients outweigh the rows).
-Writes bench/results/tpu_training_estimates.md.
+Writes bench/results/tpu_training_estimates.md (``--routing skewed``:
+tpu_training_estimates_skewed.md).
 
-    python bench/bench_training_estimates.py [--chips v6e] [--models ...] [--tokens 4096 16384] [--breakdown]
+    python bench/bench_training_estimates.py [--chips v6e] [--models ...] [--tokens 4096 16384]
+        [--routing uniform|skewed] [--breakdown]
 """
 
 from __future__ import annotations
@@ -39,11 +45,11 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import peer_sweep  # noqa: E402
 import tpu_estimator  # noqa: E402  (sets libtpu's dump folder before jax loads libtpu)
-from bench_tpu_estimates import MODELS, problem_size  # noqa: E402
+from bench_tpu_estimates import MODELS, ROUTINGS, problem_size  # noqa: E402
 from common import ROOT, calibration_summary, markdown, use_shipped_packages  # noqa: E402
 
 KERNELS = ("forward", "dlhs", "drhs")
-OUT = ROOT / "bench" / "results" / "tpu_training_estimates.md"
+RESULTS = ROOT / "bench" / "results"
 
 
 def matmul_dims(model: str, tokens: int, matmul: str) -> tuple[int, int, int, int]:
@@ -116,22 +122,22 @@ def ours(generation: str, kernels=KERNELS):
     return lambda x, w, dout, gs: tuple(run[kernel](x, w, dout, gs) for kernel in kernels)
 
 
-def breakdown(chip: str, model: str, tokens: int) -> None:
+def breakdown(chip: str, model: str, tokens: int, routing: str = "uniform") -> None:
     """Prints each of our kernels alone (no peers, no table): the figures of
     the tile rules' docstrings (``gmm/tiling.py``)."""
     for matmul in peer_sweep.MATMULS:
-        args, (m, k, n) = arguments(model, tokens, matmul, "nk")
+        args, (m, k, n) = arguments(model, tokens, matmul, "nk", routing)
         for kernel in KERNELS:
             us = estimate_us("ours", ours(chip, (kernel,)), args, chip, m, k, n, 1)
             print(f"[{chip}] {model} {tokens} {matmul} ours {kernel}: {us:.1f} us", flush=True)
 
 
-def arguments(model: str, tokens: int, matmul: str, weight_layout: str):
+def arguments(model: str, tokens: int, matmul: str, weight_layout: str, routing: str = "uniform"):
     import jax
     import jax.numpy as jnp
 
     m, k, n, experts = matmul_dims(model, tokens, matmul)
-    gs, _, _ = problem_size(model, tokens)
+    gs, _, _ = problem_size(model, tokens, routing=routing)
     weight = (experts, n, k) if weight_layout == "nk" else (experts, k, n)
     bf16 = jnp.bfloat16
     return [jax.ShapeDtypeStruct((m, k), bf16), jax.ShapeDtypeStruct(weight, bf16),
@@ -144,18 +150,18 @@ def estimate_us(peer: str, fn, args, chip: str, m: int, k: int, n: int, passes: 
     return est.seconds * 1e6
 
 
-def run(chip: str, model: str, tokens: int, log=sys.stderr) -> dict:
+def run(chip: str, model: str, tokens: int, routing: str = "uniform", log=sys.stderr) -> dict:
     """{matmul: {"ours": us, "tokamax": {kernel: (us, config)}, "mxu": us}}."""
     row = {}
     chip_ = tpu_estimator.CHIPS[chip]
     for matmul in peer_sweep.MATMULS:
-        args, (m, k, n) = arguments(model, tokens, matmul, "nk")
+        args, (m, k, n) = arguments(model, tokens, matmul, "nk", routing)
         t0 = time.time()
         ours_us = estimate_us("ours", ours(chip), args, chip, m, k, n, 3)
         print(f"[{chip}] {model} {tokens} {matmul} ours: {ours_us:.1f} us ({time.time() - t0:.0f} s)", file=log,
               flush=True)
         peer = {}
-        targs, _ = arguments(model, tokens, matmul, "kn")
+        targs, _ = arguments(model, tokens, matmul, "kn", routing)
         for kernel in KERNELS:
             for config in tokamax_starts(chip, model, tokens, matmul, kernel):
                 t0 = time.time()
@@ -171,10 +177,13 @@ def run(chip: str, model: str, tokens: int, log=sys.stderr) -> dict:
                 if kernel not in peer or us < peer[kernel][0]:
                     peer[kernel] = (us, config)
         experts = matmul_dims(model, tokens, matmul)[3]
-        mxu = 3 * 2.0 * m * k * n / chip_.bf16_flops_per_s * 1e6
-        # Each kernel reads two of (x, W, dout) and writes the third, bf16.
-        hbm = 3 * 2.0 * (m * k + m * n + experts * k * n) / chip_.hbm_bytes_per_s * 1e6
-        row[matmul] = {"ours": ours_us, "tokamax": peer, "mxu": mxu, "roofline": max(mxu, hbm)}
+        used = int((args[3] > 0).sum())
+        mxu = 2.0 * m * k * n / chip_.bf16_flops_per_s * 1e6  # one kernel's
+        # Each kernel reads two of (x, W, dout) and writes the third, bf16: the forward and the input gradient
+        # only the weights of experts with rows, the weight gradient every expert's gradient.
+        hbm = [2.0 * (m * k + m * n + e * k * n) / chip_.hbm_bytes_per_s * 1e6 for e in (used, used, experts)]
+        row[matmul] = {"ours": ours_us, "tokamax": peer, "mxu": 3 * mxu,
+                       "roofline": sum(max(mxu, kernel_hbm) for kernel_hbm in hbm)}
     return row
 
 
@@ -201,7 +210,9 @@ def main(argv=None):
     ap.add_argument("--chips", nargs="+", default=["v6e"])
     ap.add_argument("--models", nargs="+", default=["qwen3-30b-a3b", "gpt-oss-20b", "mixtral-8x7b"])
     ap.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384])
-    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--routing", choices=ROUTINGS, default="uniform",
+                    help="group sizes of the routing; skewed: tokamax keeps the same starts")
+    ap.add_argument("--out", default=None, help="default: results/tpu_training_estimates.md (_skewed.md)")
     ap.add_argument("--breakdown", action="store_true", help="print each of our kernels alone; no peers, no table")
     args = ap.parse_args(argv)
     flags.FLAGS(sys.argv[:1], known_only=True)  # tokamax reads absl flags
@@ -210,24 +221,30 @@ def main(argv=None):
         for chip in args.chips:
             for model in args.models:
                 for tokens in args.tokens:
-                    breakdown(chip, model, tokens)
+                    breakdown(chip, model, tokens, args.routing)
         return
     sections = []
     for chip in args.chips:
-        rows = [table_row(model, tokens, run(chip, model, tokens)) for model in args.models for tokens in args.tokens]
+        rows = [table_row(model, tokens, run(chip, model, tokens, args.routing)) for model in args.models
+                for tokens in args.tokens]
         sections.append(f"## {chip}\n\nEstimator error on this chip: {calibration_summary(chip, 'ragged dot')}.\n\n"
                         + markdown(rows))
     command = ("python bench/bench_training_estimates.py --chips " + " ".join(args.chips) + " --models "
-               + " ".join(args.models) + " --tokens " + " ".join(map(str, args.tokens)))
-    pathlib.Path(args.out).write_text(
+               + " ".join(args.models) + " --tokens " + " ".join(map(str, args.tokens))
+               + ("" if args.routing == "uniform" else f" --routing {args.routing}"))
+    skewed = args.routing == "skewed"
+    out = pathlib.Path(args.out or RESULTS / f"tpu_training_estimates{'_skewed' if skewed else ''}.md")
+    routing = (" Routing: bench_tpu_estimates' skewed top-k (a few hot experts, a cold or empty tail); tokamax "
+               "at the same starts as for the uniform routing." if skewed else "")
+    out.write_text(
         "# Training: the experts layer's grouped matmuls, forward + both gradients, estimated\n\n"
         "Generated by `bench/bench_training_estimates.py` (its docstring says what runs); estimates from the TPU "
         "compiler's static schedule (`bench/tpu_estimator.py`), not measurements. Both matmuls of the layer (up, "
         "down), each forward + input gradient + weight gradient, bf16; < 1 in 'ours / tokamax': ours is faster. "
         "tokamax at the best of its starts (its tuned tables, the forward sweep's best, MaxText's tiles, our "
         "forward rule's tiles) per "
-        f"kernel.\n\n    {command}\n\n" + "\n\n".join(sections) + "\n")
-    print(f"wrote {args.out}")
+        f"kernel.{routing}\n\n    {command}\n\n" + "\n\n".join(sections) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
