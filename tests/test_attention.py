@@ -1,6 +1,7 @@
 """attention-tpu on CPU: the Pallas kernel in interpret mode and the native path
 against a float64 loop, masks and block skipping, the torch op, errors."""
 
+import functools
 import os
 import pathlib
 import sys
@@ -605,12 +606,68 @@ def test_gradients_match_float64_autograd(impl, dtype, case):
                                    msg=f"{impl} {dtype} d{name} seed={SEED}")
 
 
+@pytest.fixture(params=["fused", "separate"])
+def dq_kernel(request, monkeypatch):
+    """The backward's two ways to dq: inside the dk/dv kernel (each key block's
+    part, summed over the blocks that see it) or a kernel of its own (the rule's
+    choice past ``blocks.FUSED_DQ_MAX_BYTES``). Caches cleared so that jitted
+    calls retrace with the choice."""
+    from attention_tpu.common import jax_bridge
+
+    if request.param == "separate":
+        monkeypatch.setattr(blocks, "FUSED_DQ_MAX_BYTES", 0)
+    else:  # these tests' key blocks are short
+        monkeypatch.setattr(blocks, "FUSED_DQ_MIN_BLOCK_K", 0)
+    jax_bridge._interpreted.cache_clear()
+    yield request.param
+    jax_bridge._interpreted.cache_clear()
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
+def test_backward_runs_the_dq_kernel_only_past_the_byte_cap(fused, monkeypatch):
+    """At key blocks of ``FUSED_DQ_MIN_BLOCK_K`` and within ``FUSED_DQ_MAX_BYTES``
+    the backward has no dq kernel; past the cap, it has."""
+    import jax
+    from attention_tpu.attention import flash_backward
+
+    b, h, s, d = 1, 2, 256, 16
+    q = k = v = jnp.zeros((b, h, s, d), jnp.float32)
+    lse = jnp.zeros((b, h, s, 1), jnp.float32)
+    bounds = kr.rule_key_bounds(np.zeros(b, np.int32), np.full(b, s, np.int32), sq=s, skv=s, causal=True, window=0)
+    parts_bytes = b * h * 2 * s * d * 4  # two key blocks of 128
+    monkeypatch.setattr(blocks, "FUSED_DQ_MAX_BYTES", parts_bytes if fused else parts_bytes - 1)
+    monkeypatch.setattr(blocks, "FUSED_DQ_MIN_BLOCK_K", 128)
+    text = str(jax.make_jaxpr(functools.partial(flash_backward.flash_attention_backward, block_sizes=(128, 128),
+                                                generation="v6e"))(q, k, v, q, lse, q, bounds))
+    assert "flash_attention_bwd_dkv" in text
+    assert ("flash_attention_bwd_dq" in text) != fused
+
+
+def test_backward_fuses_dq_by_the_rule():
+    """The rule at the benchmark's shapes (bf16, v6e): Llama-3-8B causal 8k
+    (2048-key blocks, 512 MiB of parts) fuses; 32k (8 GiB of parts), a
+    sliding window's 512-key blocks and v4's (its VMEM) do not; one key block does."""
+    def fused(rows, skv, d, window=0, generation="v6e", hkv=8):
+        bq, bk = blocks.choose_backward_blocks(rows, skv, head_dim=d, window=window, generation=generation)
+        nq, nk = -(-rows // bq), -(-skv // bk)
+        return blocks.fuses_dq(hkv * nk * nq * bq * d * 4, blocks.backward_working_set_bytes(bq, bk, d, d, 2,
+                               fused_dq=True), block_k=bk, num_kv_blocks=nk, generation=generation)
+
+    assert fused(4 * 8192, 8192, 128)
+    assert fused(4 * 8192, 8192, 128, generation="tpu7x") and fused(4 * 8192, 8192, 128, generation="v5e")
+    assert not fused(4 * 32768, 32768, 128)
+    assert not fused(2 * 8192, 8192, 256, window=512, hkv=4)
+    assert fused(4 * 512, 512, 128)  # one key block: no parts to sum
+    assert not fused(4 * 8192, 8192, 128, generation="v4")
+
+
 @pytest.mark.parametrize("window", [0, 20, 40])
-def test_gradients_over_many_blocks_and_window_walks(window):
+def test_gradients_over_many_blocks_and_window_walks(window, dq_kernel):
     """Many query and key blocks, causal, with left padding; with a window (query
     blocks aligned to heads) the dk/dv kernel walks only the window's query
     blocks of each head and the dq kernel only the window's key blocks (both
-    grids shorter than dense). Gradients equal float64 autograd."""
+    grids shorter than dense). Gradients equal float64 autograd, with dq in the
+    dk/dv kernel and in its own."""
     q, k, v, sinks = _inputs((2, 4, 2, 256, 256, 16, 16), torch.float32, seed=15)
     start, end = np.array([0, 30], np.int32), np.array([256, 256], np.int32)
     walk = kr.query_walk(16, group=2, block_q=32, block_k=128, sq=256, causal=True, window=window)
@@ -778,7 +835,7 @@ def test_decode_kernel_refuses_chunks_it_cannot_copy():
     ("rule", False, 0, 0.0, True),
     ("ranges", True, 0, 0.0, False),  # arbitrary per-query ranges: sub-tiles read them
 ])
-def test_backward_sub_tiles_match_float64_autograd(case):
+def test_backward_sub_tiles_match_float64_autograd(case, dq_kernel):
     """Backward blocks computed as sub-tiles (``compute_blocks``, what the rule
     takes at 2048-wide blocks) at lengths that are no multiple of a sub-tile:
     the last query block holds a partly padded sub-tile and an all-padding one,

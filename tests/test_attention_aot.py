@@ -73,7 +73,23 @@ BACKWARD_CASES = ["llama3-8b-prefill-8k", "gpt-oss-20b-prefill-sliding", "gemma2
 
 
 @pytest.mark.parametrize("case,generation,dtype", _params(BACKWARD_CASES, ["v4", "v5e", "v6e", "tpu7x"]))
-def test_backward_compiles(generation, case, dtype):
+def test_backward_compiles(generation, case, dtype, record_property):
+    """The backward at the rule's blocks, dq in the dk/dv kernel where the rule
+    fuses it (the property records where: Llama-3-8B's 2048-key blocks, not v4's
+    smaller ones)."""
+    record_property("fused_dq", _backward_compiles(generation, case, dtype))
+
+
+@pytest.mark.parametrize("generation", ["v4", "v5e", "v6e", "tpu7x"])
+def test_backward_with_separate_dq_kernel_compiles(generation, monkeypatch):
+    """The two-kernel backward (dq in its own kernel), which the rule takes
+    for short key blocks and past ``FUSED_DQ_MAX_BYTES`` (Llama-3-8B at 32k keys)."""
+    monkeypatch.setattr(blocks, "FUSED_DQ_MAX_BYTES", 0)
+    assert not _backward_compiles(generation, "llama3-8b-prefill-8k", "bfloat16")
+
+
+def _backward_compiles(generation, case, dtype) -> bool:
+    """Compiles the case's backward; whether the rule fused dq."""
     b, hq, hkv, sq, skv, d, window, softcap, sinks = CASES[case]
     rows = hq // hkv * sq
     itemsize = _vmem_itemsize(dtype)
@@ -81,6 +97,10 @@ def test_backward_compiles(generation, case, dtype):
                                                      generation=generation)
     assert (blocks.backward_working_set_bytes(block_q, block_k, d, d, itemsize)
             <= tpu_generations.get_generation(generation).vmem_budget)
+    num_q_blocks, num_kv_blocks = -(-rows // block_q), -(-skv // block_k)
+    fused = blocks.fuses_dq(b * hkv * num_kv_blocks * num_q_blocks * block_q * d * 4,
+                            blocks.backward_working_set_bytes(block_q, block_k, d, d, itemsize, fused_dq=True),
+                            block_k=block_k, num_kv_blocks=num_kv_blocks, generation=generation)
 
     def fn(q, k, v, out, lse, dout, start, end, *sink):
         bounds = key_ranges.rule_key_bounds(start, end, sq=sq, skv=skv, causal=True, window=window)
@@ -92,6 +112,7 @@ def test_backward_compiles(generation, case, dtype):
     inputs = [((b, hq, sq, d), dt), ((b, hkv, skv, d), dt), ((b, hkv, skv, d), dt), ((b, hq, sq, d), dt),
               ((b, hkv, rows, 1), jnp.float32), ((b, hq, sq, d), dt), ((b,), jnp.int32), ((b,), jnp.int32)]
     aot.compile_for(generation, fn, *(inputs + ([((hq,), jnp.float32)] if sinks else [])))
+    return fused
 
 
 def test_f32_and_odd_shapes_compile():

@@ -138,6 +138,34 @@ twice (a diagonal dk/dv tile: 6175 cycles, then 4764). bf16 at head_dim 128
 fits 2048 blocks on every chip but v4 (24 MiB of the 24 MiB budget); float32
 and wider heads keep the 1024 rule.
 
+dq in the dk/dv kernel (``fuses_dq``): the dk/dv kernel holds each tile's
+``ds``; one more product, ``ds^T K`` (``ds`` transposed on the cross-lane unit),
+gives the tile's part of dq, written per (key block, query block) into an f32
+``[B, Hkv, key blocks, rows, D]`` buffer and summed in XLA over the key blocks
+each query block sees (``key_ranges.sum_live_parts``). That replaces the dq
+kernel, which recomputed every tile's ``p`` and ``dO V^T``, by a fifth
+product per tile and the parts' HBM round trip, 4 D bytes per row per key
+block: cheap against the tile's work when key blocks are long
+(``FUSED_DQ_MIN_BLOCK_K`` = 1024), and the buffer is bounded
+(``FUSED_DQ_MAX_BYTES`` = 1 GiB, transient: Llama-3-8B at 32k keys would need
+8 GiB and keeps two kernels). The fused kernel's working set (a double-buffered
+f32 dq block and a fourth sub-tile temporary) asks for the large VMEM limit.
+Forward + backward, bf16, estimated us (two kernels -> fused):
+
+==============================  ===============  ===============  ===============
+case                            v5e              v6e              tpu7x
+==============================  ===============  ===============  ===============
+Llama-3-8B causal 8k            16659 -> 14308   8247 -> 7008     6690 -> 5561
+Qwen3 causal 8k                 16674 -> 14361   8150 -> 7005     6631 -> 5542
+Gemma-4 global D512 4k (512)    --               1378 -> 1393     1071 -> 1043
+Gemma-4 sliding-512 8k (512)    --               1015 -> 1443     799 -> 953
+==============================  ===============  ===============  ===============
+
+The last two rows, with 512-key blocks, were fused by hand to set the
+threshold: a window's parts are mostly never visited yet still summed, and a
+short key block makes the parts large against the tile's work; the rule keeps
+them on two kernels.
+
 ``choose_kv_splits``: on a megacore chip (v4, v5p) a decode call whose only
 parallel work is a single (batch, head) pair would leave one TensorCore idle;
 the keys are split in one part per TensorCore and the partial softmaxes
@@ -211,6 +239,8 @@ ROW_SUMS_ON_MXU = frozenset({"v6e"})
 ROW_SUMS_V_DIM = 128
 BACKWARD_BLOCK = 2048
 BACKWARD_COMPUTE_BLOCK = 1024
+FUSED_DQ_MAX_BYTES = 1 << 30
+FUSED_DQ_MIN_BLOCK_K = 1024
 
 
 def choose_blocks(rows: int, kv_len: int, *, head_dim: int = 128, v_dim: int | None = None, itemsize: int = 2,
@@ -320,6 +350,18 @@ def choose_backward_blocks(rows: int, kv_len: int, *, head_dim: int = 128, v_dim
     return block_q, block_k
 
 
+def fuses_dq(parts_bytes: int, working_set: int, *, block_k: int, num_kv_blocks: int,
+             generation: str | None) -> bool:
+    """Whether the backward computes dq in its dk/dv kernel (module docstring):
+    key blocks of at least ``FUSED_DQ_MIN_BLOCK_K`` keys (or a single one), each
+    key block's f32 part of dq, all kept until they are summed (``parts_bytes``),
+    within ``FUSED_DQ_MAX_BYTES``, and the fused kernel's ``working_set``
+    (``backward_working_set_bytes(fused_dq=True)``) within the generation's
+    large VMEM budget, which that kernel then asks for."""
+    return ((block_k >= FUSED_DQ_MIN_BLOCK_K or num_kv_blocks == 1) and parts_bytes <= FUSED_DQ_MAX_BYTES
+            and working_set <= tpu_generations.get_generation(generation).large_vmem_budget)
+
+
 def backward_compute_blocks(block_q: int, block_k: int) -> tuple[int, int]:
     """The backward's compute sub-tiles ``(sub_q, sub_k)`` of ``(block_q, block_k)``
     blocks: ``BACKWARD_COMPUTE_BLOCK`` on a side it divides, else the whole side."""
@@ -341,17 +383,22 @@ def check_compute_blocks(compute_blocks, block_q: int, block_k: int) -> tuple[in
     return sub_q, sub_k
 
 
-def backward_working_set_bytes(block_q: int, block_k: int, head_dim: int, v_dim: int, itemsize: int) -> int:
+def backward_working_set_bytes(block_q: int, block_k: int, head_dim: int, v_dim: int, itemsize: int, *,
+                               fused_dq: bool = False) -> int:
     """The larger of the two kernels: double-buffered q, dO, k, v blocks and the
     dq kernel's lane-padded lse / delta columns (the dk/dv kernel takes them as
     lane rows), double-buffered dk / dv blocks and their f32 accumulators (as
     much as the dq kernel's dq block, accumulator and ranges at square blocks),
     and three f32 temporaries (p, dp, ds) the size of one compute sub-tile
-    (``backward_compute_blocks``)."""
+    (``backward_compute_blocks``). ``fused_dq``: the dk/dv kernel that also
+    computes dq, with its double-buffered f32 dq part block and a fourth
+    temporary (ds transposed)."""
     d = head_dim + v_dim
     sub_q, sub_k = backward_compute_blocks(block_q, block_k)
     inputs = 2 * ((block_q + block_k) * d * itemsize + 2 * block_q * 128 * 4)
     outputs = 2 * block_k * d * itemsize + 4 * block_k * d
+    if fused_dq:
+        return inputs + outputs + 2 * 4 * block_q * head_dim + 4 * 4 * sub_q * sub_k
     return inputs + outputs + 3 * 4 * sub_q * sub_k
 
 

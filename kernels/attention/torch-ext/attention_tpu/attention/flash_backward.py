@@ -1,11 +1,15 @@
 """Flash attention backward for TPU in Pallas: dq, dk, dv (and the sinks'
 gradient) from the forward's log-sum-exp.
 
-Two kernels, with the forward's key ranges and skipped tiles (``key_ranges``):
-one walks key blocks (dk, dv accumulated over the query blocks that see each
-one: every query block, or under a causal window only the window's, per head,
-``key_ranges.query_walk``), one walks query blocks (dq, over the key blocks
-each sees). Probabilities are recomputed from q, k and the lse in the
+With the forward's key ranges and skipped tiles (``key_ranges``), one kernel
+walks key blocks (dk, dv accumulated over the query blocks that see each one:
+every query block, or under a causal window only the window's, per head,
+``key_ranges.query_walk``). dq comes either from the same kernel, each tile's
+``ds^T`` times K written as that key block's f32 part of dq and the parts
+summed afterwards over the key blocks each query block sees, or from a second
+kernel that walks query blocks (dq over the key blocks each sees, recomputing
+the probabilities); ``blocks.fuses_dq`` chooses (long key blocks and a bounded
+parts buffer: fused). Probabilities are recomputed from q, k and the lse in the
 forward's base (base 2 without soft-capping); the sinks' gradient is a
 reduction outside the kernels. Layout, features and dtypes: ``flash_forward``.
 
@@ -84,8 +88,12 @@ def _load_rows(ref, rows):
 
 
 def _dkv_kernel(sub_table_ref, q_range_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                bounds_ref, dk_ref, dv_ref, dk_acc, dv_acc, *, block_q, block_k, sub_q, sub_k, rows, softcap, scale,
-                num_q_blocks, num_kv_blocks, walk, rule):
+                bounds_ref, *refs, block_q, block_k, sub_q, sub_k, rows, skv, softcap, scale, num_q_blocks,
+                num_kv_blocks, walk, rule, fused_dq: bool):
+    if fused_dq:
+        dk_ref, dv_ref, dq_part_ref, dk_acc, dv_acc = refs
+    else:
+        (dk_ref, dv_ref, dk_acc, dv_acc), dq_part_ref = refs, None
     b, kv_block, head, step = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     q_block, in_walk = kr.walk_query_block(q_range_ref, b, kv_block, head, step, num_kv_blocks=num_kv_blocks, walk=walk,
                                         for_dma=False)
@@ -99,23 +107,38 @@ def _dkv_kernel(sub_table_ref, q_range_ref, start_ref, end_ref, q_ref, k_ref, v_
         dk_acc[...] = jnp.zeros_like(dk_acc)
         dv_acc[...] = jnp.zeros_like(dv_acc)
 
+    if fused_dq:
+        # This step's query block is the one in VMEM (not a resident block kept
+        # over a skipped step): its partial dq over this key block starts here.
+        dma_block, _ = kr.walk_query_block(q_range_ref, b, kv_block, head, step, num_kv_blocks=num_kv_blocks,
+                                           walk=walk, for_dma=True)
+
+        @pl.when(in_walk & (dma_block == q_block))
+        def _init_dq():
+            dq_part_ref[...] = jnp.zeros_like(dq_part_ref)
+
     def accumulate(bounds, q_sub, kv_sub, rs, ks):  # bounds: (lo, hi) rows of a masked sub-tile, None: whole
         q, do, delta = _load_rows(q_ref, rs), _load_rows(do_ref, rs), delta_ref[:, rs]
+        k, v = _load_rows(k_ref, ks), _load_rows(v_ref, ks)
         if bounds is not None:
             if rows % sub_q:  # padding rows: garbage in q and dO would reach dk through 0 * NaN
                 q, do = (_zero_rows_past(x, q_sub * sub_q, rows) for x in (q, do))
+            if fused_dq and skv % sub_k:  # and garbage keys past Skv would reach dq
+                k, v = _zero_rows_past(k, kv_sub * sub_k, skv), _zero_rows_past(v, kv_sub * sub_k, skv)
             lo, hi = bounds
             row = q_sub * sub_q + lax.broadcasted_iota(jnp.int32, (1, sub_q), 1)
             bounds = lo, jnp.where(row < rows, hi, lo)  # padding rows see nothing
         # Transposed tiles ([keys, queries]): dv and dk are plain products, no
         # transpose of a score-sized tile; lse and delta are lane rows.
-        p_t, t = _recompute(q, _load_rows(k_ref, ks), lse_ref[:, rs], bounds=bounds, kv_block=kv_sub,
-                            block_k=sub_k, softcap=softcap, scale=scale, transposed=True)
+        p_t, t = _recompute(q, k, lse_ref[:, rs], bounds=bounds, kv_block=kv_sub, block_k=sub_k, softcap=softcap,
+                            scale=scale, transposed=True)
         dv_acc[ks, :] += dot_f32(p_t.astype(do.dtype), do, 1, 0)
-        ds_t = p_t * (dot_f32(_load_rows(v_ref, ks), do, 1, 1) - delta)
+        ds_t = p_t * (dot_f32(v, do, 1, 1) - delta)
         if t is not None:
             ds_t = ds_t * (1.0 - t * t)
         dk_acc[ks, :] += dot_f32(ds_t.astype(q.dtype), q, 1, 0)
+        if fused_dq:
+            dq_part_ref[rs, :] += dot_f32(ds_t.T.astype(k.dtype), k, 1, 0)
 
     # Each sub-tile on its own: skipped where no row sees its keys, unmasked
     # where every row sees them all (key_ranges.tile_kinds on the sub-tiles' table).
@@ -237,10 +260,23 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
         return x.reshape(batch, hkv, num_q_blocks, 1, block_q)
 
     kv_at = lambda b, h, kb, head, step, *_: (b, h, kb, 0)  # noqa: E731
-    dk, dv_ = pl.pallas_call(
-        functools.partial(_dkv_kernel, num_kv_blocks=num_kv_blocks, walk=walk, **common),
+    fused_dq = blocks_lib.fuses_dq(
+        batch * hkv * num_kv_blocks * padded_rows * d * 4,
+        blocks_lib.backward_working_set_bytes(block_q, block_k, d, dv, kernel_dtype(q.dtype).itemsize, fused_dq=True),
+        block_k=block_k, num_kv_blocks=num_kv_blocks, generation=generation)
+    dq_parts = []
+    if fused_dq:  # [B, Hkv, key blocks, rows, D] f32: each key block's part of dq, summed below
+
+        def dq_part_at(*grid_and_refs):
+            b, h, q_block, _ = q_at(*grid_and_refs)
+            return b, h, grid_and_refs[2], q_block, 0
+
+        dq_parts = [(out_struct((batch, hkv, num_kv_blocks, padded_rows, d), jnp.float32, *operands),
+                     pl.BlockSpec((None, None, None, block_q, d), dq_part_at))]
+    outs = pl.pallas_call(
+        functools.partial(_dkv_kernel, num_kv_blocks=num_kv_blocks, walk=walk, skv=skv, fused_dq=fused_dq, **common),
         out_shape=(out_struct(k.shape, kernel_dtype(k.dtype), *operands),
-                   out_struct(v.shape, kernel_dtype(v.dtype), *operands)),
+                   out_struct(v.shape, kernel_dtype(v.dtype), *operands), *(o for o, _ in dq_parts)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4, grid=(batch, hkv, num_kv_blocks, walk.heads, walk_steps),
             in_specs=[pl.BlockSpec((None, None, block_q, d), q_at), pl.BlockSpec((None, None, block_k, d), kv_at),
@@ -248,14 +284,19 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
                       pl.BlockSpec((None, None, None, 1, block_q), q_lanes_at),
                       pl.BlockSpec((None, None, None, 1, block_q), q_lanes_at),
                       pl.BlockSpec((None, None, 2, block_q), q_bounds_at)],
-            out_specs=[pl.BlockSpec((None, None, block_k, d), kv_at), pl.BlockSpec((None, None, block_k, dv), kv_at)],
+            out_specs=[pl.BlockSpec((None, None, block_k, d), kv_at), pl.BlockSpec((None, None, block_k, dv), kv_at),
+                       *(spec for _, spec in dq_parts)],
             scratch_shapes=[pltpu.VMEM((block_k, d), jnp.float32), pltpu.VMEM((block_k, dv), jnp.float32)],
         ),
-        compiler_params=compiler_params(generation, semantics + ("arbitrary",)),
+        compiler_params=compiler_params(generation, semantics + ("arbitrary",), large_vmem=fused_dq),
         interpret=interpret,
         name="flash_attention_bwd_dkv",
     )(sub_table, q_range, start, end, *map(as_kernel_operand, (q_rows, k, v, do_rows)), lane_rows(lse),
       lane_rows(delta), kr.lane_major_bounds(bounds, num_q_blocks=num_q_blocks, block_q=block_q))
+    dk, dv_ = outs[:2]
+    if fused_dq:
+        dq = kr.sum_live_parts(outs[2], table, num_q_blocks=num_q_blocks, block_q=block_q)[:, :, :rows] * scale
+        return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv_.astype(v.dtype), d_sinks
 
     # dq: each query block walks the key blocks it sees (skipped ones re-use the resident block).
     where = dict(num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks)
