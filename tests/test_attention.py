@@ -606,18 +606,20 @@ def test_gradients_match_float64_autograd(impl, dtype, case):
                                    msg=f"{impl} {dtype} d{name} seed={SEED}")
 
 
-@pytest.fixture(params=["fused", "separate"])
+@pytest.fixture(params=["fused", "fused_calls", "separate"])
 def dq_kernel(request, monkeypatch):
-    """The backward's two ways to dq: inside the dk/dv kernel (each key block's
-    part, summed over the blocks that see it) or a kernel of its own (the rule's
-    choice past ``blocks.FUSED_DQ_MAX_BYTES``). Caches cleared so that jitted
-    calls retrace with the choice."""
+    """The backward's ways to dq: inside the dk/dv kernel (each key block's part,
+    summed over the query blocks that see it), in one call or one call per key
+    block (the rule's split past ``blocks.FUSED_DQ_MAX_BYTES`` of parts), or a
+    kernel of its own. Caches cleared so that jitted calls retrace with the choice."""
     from attention_tpu.common import jax_bridge
 
     if request.param == "separate":
         monkeypatch.setattr(blocks, "FUSED_DQ_MAX_BYTES", 0)
     else:  # these tests' key blocks are short
         monkeypatch.setattr(blocks, "FUSED_DQ_MIN_BLOCK_K", 0)
+    if request.param == "fused_calls":
+        monkeypatch.setattr(blocks, "fused_dq_blocks_per_call", lambda part_bytes, num_kv_blocks: 1)
     jax_bridge._interpreted.cache_clear()
     yield request.param
     jax_bridge._interpreted.cache_clear()
@@ -625,8 +627,9 @@ def dq_kernel(request, monkeypatch):
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
 def test_backward_runs_the_dq_kernel_only_past_the_byte_cap(fused, monkeypatch):
-    """At key blocks of ``FUSED_DQ_MIN_BLOCK_K`` and within ``FUSED_DQ_MAX_BYTES``
-    the backward has no dq kernel; past the cap, it has."""
+    """At key blocks of ``FUSED_DQ_MIN_BLOCK_K`` and one key block's part of dq
+    within ``FUSED_DQ_MAX_BYTES`` the backward has no dq kernel (one dk/dv call
+    per key block when the cap holds one part); past the cap, it has."""
     import jax
     from attention_tpu.attention import flash_backward
 
@@ -634,28 +637,34 @@ def test_backward_runs_the_dq_kernel_only_past_the_byte_cap(fused, monkeypatch):
     q = k = v = jnp.zeros((b, h, s, d), jnp.float32)
     lse = jnp.zeros((b, h, s, 1), jnp.float32)
     bounds = kr.rule_key_bounds(np.zeros(b, np.int32), np.full(b, s, np.int32), sq=s, skv=s, causal=True, window=0)
-    parts_bytes = b * h * 2 * s * d * 4  # two key blocks of 128
-    monkeypatch.setattr(blocks, "FUSED_DQ_MAX_BYTES", parts_bytes if fused else parts_bytes - 1)
+    part_bytes = b * h * s * d * 4  # one key block's (of two)
+    monkeypatch.setattr(blocks, "FUSED_DQ_MAX_BYTES", part_bytes if fused else part_bytes - 1)
     monkeypatch.setattr(blocks, "FUSED_DQ_MIN_BLOCK_K", 128)
     text = str(jax.make_jaxpr(functools.partial(flash_backward.flash_attention_backward, block_sizes=(128, 128),
                                                 generation="v6e"))(q, k, v, q, lse, q, bounds))
-    assert "flash_attention_bwd_dkv" in text
+    # Fused: one dk/dv call per key block (the cap holds one block's part); else one call and the dq kernel.
+    assert text.count("name=flash_attention_bwd_dkv") == (2 if fused else 1)
     assert ("flash_attention_bwd_dq" in text) != fused
 
 
 def test_backward_fuses_dq_by_the_rule():
     """The rule at the benchmark's shapes (bf16, v6e): Llama-3-8B causal 8k
-    (2048-key blocks, 512 MiB of parts) fuses; 32k (8 GiB of parts), a
-    sliding window's 512-key blocks and v4's (its VMEM) do not; one key block does."""
+    (2048-key blocks, 128 MiB a block's part) fuses in one call, 32k (512 MiB a
+    part, 8 GiB in all) in calls of two key blocks; a sliding window's 512-key
+    blocks and v4's (its VMEM) do not; one key block does."""
     def fused(rows, skv, d, window=0, generation="v6e", hkv=8):
+        """Key blocks per fused call, 0: two kernels."""
         bq, bk = blocks.choose_backward_blocks(rows, skv, head_dim=d, window=window, generation=generation)
         nq, nk = -(-rows // bq), -(-skv // bk)
-        return blocks.fuses_dq(hkv * nk * nq * bq * d * 4, blocks.backward_working_set_bytes(bq, bk, d, d, 2,
-                               fused_dq=True), block_k=bk, num_kv_blocks=nk, generation=generation)
+        part = hkv * nq * bq * d * 4
+        if not blocks.fuses_dq(part, blocks.backward_working_set_bytes(bq, bk, d, d, 2, fused_dq=True), block_k=bk,
+                               num_kv_blocks=nk, generation=generation):
+            return 0
+        return blocks.fused_dq_blocks_per_call(part, nk)
 
-    assert fused(4 * 8192, 8192, 128)
-    assert fused(4 * 8192, 8192, 128, generation="tpu7x") and fused(4 * 8192, 8192, 128, generation="v5e")
-    assert not fused(4 * 32768, 32768, 128)
+    assert fused(4 * 8192, 8192, 128) == 4
+    assert fused(4 * 8192, 8192, 128, generation="tpu7x") == fused(4 * 8192, 8192, 128, generation="v5e") == 4
+    assert fused(4 * 32768, 32768, 128) == 2
     assert not fused(2 * 8192, 8192, 256, window=512, hkv=4)
     assert fused(4 * 512, 512, 128)  # one key block: no parts to sum
     assert not fused(4 * 8192, 8192, 128, generation="v4")
@@ -869,6 +878,33 @@ def test_backward_sub_tiles_match_float64_autograd(case, dq_kernel):
         got = np.asarray(got, np.float64)
         assert not np.isnan(got).any(), f"{case} d{name}: NaN, seed={SEED}"
         np.testing.assert_allclose(got, want.grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=f"{case} d{name} seed={SEED}")
+
+
+def test_backward_over_key_blocks_with_a_tail(dq_kernel):
+    """Three key blocks, the last partly past Skv (300 keys in 128-key blocks),
+    rows padded in the last query block: with dq fused, per call of one key
+    block (the last call's dk / dv rows shorter) or in one call, and with the
+    dq kernel. Gradients equal float64 autograd."""
+    from attention_tpu.attention import flash_backward
+    from attention_tpu.common import pallas_helpers
+
+    b, hq, hkv, sq, skv, d = 1, 4, 2, 150, 300, 16  # rows = 300: 5 blocks of 64, the last 44 rows
+    q, k, v, sinks = _inputs((b, hq, hkv, sq, skv, d, d), torch.float32, seed=17)
+    start, end = _padded_ranges(b, skv)
+    bounds = np.asarray(kr.rule_key_bounds(start, end, sq=sq, skv=skv, causal=True, window=0))
+    visible = reference.attention_rule_mask(start, end, sq, skv, causal=True, window=0)
+    jq, jk, jv = (jnp.asarray(t.numpy()) for t in (q, k, v))
+    opts = dict(causal=True, window=0, interpret=pallas_helpers.interpret_params())
+    out, lse = flash_forward.flash_attention_with_lse(jq, jk, jv, jnp.asarray(bounds), block_sizes=(64, 128), **opts)
+    grads = flash_backward.flash_attention_backward(jq, jk, jv, out, lse, 2 * out, jnp.asarray(bounds),
+                                                    block_sizes=(64, 128), **opts)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v, torch.full((hq,), -1e9))]
+    _f64_loss(*ref_leaves, torch.from_numpy(visible), 0.0, d ** -0.5).backward()
+    for name, got, want in zip("q k v".split(), grads, ref_leaves):
+        got = np.asarray(got, np.float64)
+        assert got.shape == tuple(want.shape) and not np.isnan(got).any(), f"{dq_kernel} d{name}, seed={SEED}"
+        np.testing.assert_allclose(got, want.grad.numpy(), rtol=1e-4, atol=1e-5,
+                                   err_msg=f"{dq_kernel} d{name} seed={SEED}")
 
 
 def test_backward_compute_blocks_rule_and_checks():

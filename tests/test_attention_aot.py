@@ -88,6 +88,16 @@ def test_backward_with_separate_dq_kernel_compiles(generation, monkeypatch):
     assert not _backward_compiles(generation, "llama3-8b-prefill-8k", "bfloat16")
 
 
+@pytest.mark.parametrize("generation", ["v4", "v5e", "v6e", "tpu7x"])
+def test_backward_with_fused_dq_in_calls_compiles(generation, monkeypatch):
+    """dq fused, one dk/dv call per key block: what the rule runs when all the
+    key blocks' parts exceed ``FUSED_DQ_MAX_BYTES`` (Llama-3-8B at 32k keys:
+    calls of two 2048-key blocks)."""
+    monkeypatch.setattr(blocks, "FUSED_DQ_MIN_BLOCK_K", 0)
+    monkeypatch.setattr(blocks, "fused_dq_blocks_per_call", lambda part_bytes, num_kv_blocks: 1)
+    assert _backward_compiles(generation, "gemma2-softcap-prefill", "bfloat16")
+
+
 def _backward_compiles(generation, case, dtype) -> bool:
     """Compiles the case's backward; whether the rule fused dq."""
     b, hq, hkv, sq, skv, d, window, softcap, sinks = CASES[case]

@@ -147,8 +147,10 @@ kernel, which recomputed every tile's ``p`` and ``dO V^T``, by a fifth
 product per tile and the parts' HBM round trip, 4 D bytes per row per key
 block: cheap against the tile's work when key blocks are long
 (``FUSED_DQ_MIN_BLOCK_K`` = 1024), and the buffer is bounded
-(``FUSED_DQ_MAX_BYTES`` = 1 GiB, transient: Llama-3-8B at 32k keys would need
-8 GiB and keeps two kernels). The fused kernel's working set (a double-buffered
+(``FUSED_DQ_MAX_BYTES`` = 1 GiB, transient): where all key blocks' parts
+exceed it, the kernel runs in several calls, each over as many key blocks as
+the cap holds, and their sums are added (Llama-3-8B at 32k keys: 8 GiB of
+parts, eight calls of two 2048-key blocks). The fused kernel's working set (a double-buffered
 f32 dq block and a fourth sub-tile temporary) asks for the large VMEM limit.
 Forward + backward, bf16, estimated us (two kernels -> fused):
 
@@ -157,6 +159,7 @@ case                            v5e              v6e              tpu7x
 ==============================  ===============  ===============  ===============
 Llama-3-8B causal 8k            16659 -> 14308   8247 -> 7008     6690 -> 5561
 Qwen3 causal 8k                 16674 -> 14361   8150 -> 7005     6631 -> 5542
+Llama-3-8B causal 32k (8 calls) 243831 -> 203709 116056 -> 96778 95940 -> 78431
 Gemma-4 global D512 4k (512)    --               1378 -> 1393     1071 -> 1043
 Gemma-4 sliding-512 8k (512)    --               1015 -> 1443     799 -> 953
 ==============================  ===============  ===============  ===============
@@ -350,16 +353,23 @@ def choose_backward_blocks(rows: int, kv_len: int, *, head_dim: int = 128, v_dim
     return block_q, block_k
 
 
-def fuses_dq(parts_bytes: int, working_set: int, *, block_k: int, num_kv_blocks: int,
+def fuses_dq(part_bytes: int, working_set: int, *, block_k: int, num_kv_blocks: int,
              generation: str | None) -> bool:
     """Whether the backward computes dq in its dk/dv kernel (module docstring):
-    key blocks of at least ``FUSED_DQ_MIN_BLOCK_K`` keys (or a single one), each
-    key block's f32 part of dq, all kept until they are summed (``parts_bytes``),
-    within ``FUSED_DQ_MAX_BYTES``, and the fused kernel's ``working_set``
-    (``backward_working_set_bytes(fused_dq=True)``) within the generation's
-    large VMEM budget, which that kernel then asks for."""
-    return ((block_k >= FUSED_DQ_MIN_BLOCK_K or num_kv_blocks == 1) and parts_bytes <= FUSED_DQ_MAX_BYTES
+    key blocks of at least ``FUSED_DQ_MIN_BLOCK_K`` keys (or a single one), one
+    key block's f32 part of dq (``part_bytes``) within ``FUSED_DQ_MAX_BYTES``,
+    and the fused kernel's ``working_set`` (``backward_working_set_bytes(
+    fused_dq=True)``) within the generation's large VMEM budget, which that
+    kernel then asks for."""
+    return ((block_k >= FUSED_DQ_MIN_BLOCK_K or num_kv_blocks == 1) and part_bytes <= FUSED_DQ_MAX_BYTES
             and working_set <= tpu_generations.get_generation(generation).large_vmem_budget)
+
+
+def fused_dq_blocks_per_call(part_bytes: int, num_kv_blocks: int) -> int:
+    """Key blocks per call of the fused dk/dv kernel: its parts of dq (kept
+    until summed) stay within ``FUSED_DQ_MAX_BYTES``; more key blocks take
+    several calls, each over its own key blocks."""
+    return max(1, min(num_kv_blocks, FUSED_DQ_MAX_BYTES // part_bytes))
 
 
 def backward_compute_blocks(block_q: int, block_k: int) -> tuple[int, int]:

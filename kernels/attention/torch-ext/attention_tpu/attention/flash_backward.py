@@ -89,12 +89,13 @@ def _load_rows(ref, rows):
 
 def _dkv_kernel(sub_table_ref, q_range_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                 bounds_ref, *refs, block_q, block_k, sub_q, sub_k, rows, skv, softcap, scale, num_q_blocks,
-                num_kv_blocks, walk, rule, fused_dq: bool):
+                num_kv_blocks, first_kv_block: int, walk, rule, fused_dq: bool):
     if fused_dq:
         dk_ref, dv_ref, dq_part_ref, dk_acc, dv_acc = refs
     else:
         (dk_ref, dv_ref, dk_acc, dv_acc), dq_part_ref = refs, None
-    b, kv_block, head, step = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    b, head, step = pl.program_id(0), pl.program_id(3), pl.program_id(4)
+    kv_block = first_kv_block + pl.program_id(2)  # a call may cover some of the key blocks
     q_block, in_walk = kr.walk_query_block(q_range_ref, b, kv_block, head, step, num_kv_blocks=num_kv_blocks, walk=walk,
                                         for_dma=False)
     first_step = (head == 0) & (step == 0)
@@ -197,6 +198,61 @@ def _dq_kernel(table_ref, sub_table_ref, start_ref, end_ref, q_ref, k_ref, v_ref
         dq_ref[...] = (dq_acc[...] * scale).astype(dq_ref.dtype)
 
 
+def _dkv_call(inputs, first: int, count: int, keys: int, *, walk, walk_steps, fused_dq: bool, skv: int,
+              num_kv_blocks: int, padded_rows: int, operands, semantics, generation, interpret, k, v, common):
+    """The dk/dv kernel over key blocks ``[first, first + count)``: ``(dk, dv)``
+    of their ``keys`` rows and, ``fused_dq``, their f32 parts of dq ``[B, Hkv,
+    count, padded rows, D]``."""
+    batch, hkv, _, d = k.shape
+    dv = v.shape[-1]
+    block_q, block_k = common["block_q"], common["block_k"]
+
+    def q_at(b, h, kb, head, step, sub_table_ref, q_range_ref, *_):
+        q_block, _ = kr.walk_query_block(q_range_ref, b, first + kb, head, step, num_kv_blocks=num_kv_blocks,
+                                         walk=walk, for_dma=True)
+        return b, h, q_block, 0
+
+    def q_lanes_at(*grid_and_refs):
+        b, h, q_block, _ = q_at(*grid_and_refs)
+        return b, h, q_block, 0, 0
+
+    def q_bounds_at(*grid_and_refs):
+        b, _, q_block, _ = q_at(*grid_and_refs)
+        return b, q_block, 0, 0
+
+    kv_at = lambda b, h, kb, head, step, *_: (b, h, first + kb, 0)  # noqa: E731
+    out_at = lambda b, h, kb, head, step, *_: (b, h, kb, 0)  # noqa: E731
+    dq_parts = []
+    if fused_dq:
+
+        def dq_part_at(*grid_and_refs):
+            b, h, q_block, _ = q_at(*grid_and_refs)
+            return b, h, grid_and_refs[2], q_block, 0
+
+        dq_parts = [(out_struct((batch, hkv, count, padded_rows, d), jnp.float32, *operands),
+                     pl.BlockSpec((None, None, None, block_q, d), dq_part_at))]
+    return pl.pallas_call(
+        functools.partial(_dkv_kernel, num_kv_blocks=num_kv_blocks, first_kv_block=first, walk=walk, skv=skv,
+                          fused_dq=fused_dq, **common),
+        out_shape=(out_struct((batch, hkv, keys, d), kernel_dtype(k.dtype), *operands),
+                   out_struct((batch, hkv, keys, dv), kernel_dtype(v.dtype), *operands), *(o for o, _ in dq_parts)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4, grid=(batch, hkv, count, walk.heads, walk_steps),
+            in_specs=[pl.BlockSpec((None, None, block_q, d), q_at), pl.BlockSpec((None, None, block_k, d), kv_at),
+                      pl.BlockSpec((None, None, block_k, dv), kv_at), pl.BlockSpec((None, None, block_q, dv), q_at),
+                      pl.BlockSpec((None, None, None, 1, block_q), q_lanes_at),
+                      pl.BlockSpec((None, None, None, 1, block_q), q_lanes_at),
+                      pl.BlockSpec((None, None, 2, block_q), q_bounds_at)],
+            out_specs=[pl.BlockSpec((None, None, block_k, d), out_at), pl.BlockSpec((None, None, block_k, dv), out_at),
+                       *(spec for _, spec in dq_parts)],
+            scratch_shapes=[pltpu.VMEM((block_k, d), jnp.float32), pltpu.VMEM((block_k, dv), jnp.float32)],
+        ),
+        compiler_params=compiler_params(generation, semantics + ("arbitrary",), large_vmem=fused_dq),
+        interpret=interpret,
+        name="flash_attention_bwd_dkv",
+    )(*inputs)
+
+
 def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *, causal: bool = True,
                              window: int = 0, softcap: float = 0.0, scale: float | None = None, block_sizes=None,
                              compute_blocks=None, generation: str | None = None, interpret=False):
@@ -239,19 +295,6 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
                        window=window)
     q_range, walk_steps = kr.walk_plan(table, walk, num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks)
 
-    def q_at(b, h, kb, head, step, sub_table_ref, q_range_ref, *_):
-        q_block, _ = kr.walk_query_block(q_range_ref, b, kb, head, step, num_kv_blocks=num_kv_blocks, walk=walk,
-                                      for_dma=True)
-        return b, h, q_block, 0
-
-    def q_lanes_at(*grid_and_refs):
-        b, h, q_block, _ = q_at(*grid_and_refs)
-        return b, h, q_block, 0, 0
-
-    def q_bounds_at(*grid_and_refs):
-        b, _, q_block, _ = q_at(*grid_and_refs)
-        return b, q_block, 0, 0
-
     # The dk/dv kernel's tiles are transposed: lse, delta and the ranges as lane rows per query block.
     padded_rows = num_q_blocks * block_q
 
@@ -259,43 +302,33 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
         x = jnp.pad(x[..., 0], ((0, 0), (0, 0), (0, padded_rows - rows)))
         return x.reshape(batch, hkv, num_q_blocks, 1, block_q)
 
-    kv_at = lambda b, h, kb, head, step, *_: (b, h, kb, 0)  # noqa: E731
+    # dq in the dk/dv kernel: each key block's f32 part of dq, at most FUSED_DQ_MAX_BYTES of them per call
+    # (more key blocks: several calls, each over its own key blocks, their sums added).
+    part_bytes = batch * hkv * padded_rows * d * 4
     fused_dq = blocks_lib.fuses_dq(
-        batch * hkv * num_kv_blocks * padded_rows * d * 4,
+        part_bytes,
         blocks_lib.backward_working_set_bytes(block_q, block_k, d, dv, kernel_dtype(q.dtype).itemsize, fused_dq=True),
         block_k=block_k, num_kv_blocks=num_kv_blocks, generation=generation)
-    dq_parts = []
-    if fused_dq:  # [B, Hkv, key blocks, rows, D] f32: each key block's part of dq, summed below
-
-        def dq_part_at(*grid_and_refs):
-            b, h, q_block, _ = q_at(*grid_and_refs)
-            return b, h, grid_and_refs[2], q_block, 0
-
-        dq_parts = [(out_struct((batch, hkv, num_kv_blocks, padded_rows, d), jnp.float32, *operands),
-                     pl.BlockSpec((None, None, None, block_q, d), dq_part_at))]
-    outs = pl.pallas_call(
-        functools.partial(_dkv_kernel, num_kv_blocks=num_kv_blocks, walk=walk, skv=skv, fused_dq=fused_dq, **common),
-        out_shape=(out_struct(k.shape, kernel_dtype(k.dtype), *operands),
-                   out_struct(v.shape, kernel_dtype(v.dtype), *operands), *(o for o, _ in dq_parts)),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4, grid=(batch, hkv, num_kv_blocks, walk.heads, walk_steps),
-            in_specs=[pl.BlockSpec((None, None, block_q, d), q_at), pl.BlockSpec((None, None, block_k, d), kv_at),
-                      pl.BlockSpec((None, None, block_k, dv), kv_at), pl.BlockSpec((None, None, block_q, dv), q_at),
-                      pl.BlockSpec((None, None, None, 1, block_q), q_lanes_at),
-                      pl.BlockSpec((None, None, None, 1, block_q), q_lanes_at),
-                      pl.BlockSpec((None, None, 2, block_q), q_bounds_at)],
-            out_specs=[pl.BlockSpec((None, None, block_k, d), kv_at), pl.BlockSpec((None, None, block_k, dv), kv_at),
-                       *(spec for _, spec in dq_parts)],
-            scratch_shapes=[pltpu.VMEM((block_k, d), jnp.float32), pltpu.VMEM((block_k, dv), jnp.float32)],
-        ),
-        compiler_params=compiler_params(generation, semantics + ("arbitrary",), large_vmem=fused_dq),
-        interpret=interpret,
-        name="flash_attention_bwd_dkv",
-    )(sub_table, q_range, start, end, *map(as_kernel_operand, (q_rows, k, v, do_rows)), lane_rows(lse),
-      lane_rows(delta), kr.lane_major_bounds(bounds, num_q_blocks=num_q_blocks, block_q=block_q))
-    dk, dv_ = outs[:2]
+    per_call = blocks_lib.fused_dq_blocks_per_call(part_bytes, num_kv_blocks) if fused_dq else num_kv_blocks
+    inputs = (sub_table, q_range, start, end, *map(as_kernel_operand, (q_rows, k, v, do_rows)), lane_rows(lse),
+              lane_rows(delta), kr.lane_major_bounds(bounds, num_q_blocks=num_q_blocks, block_q=block_q))
+    dk_parts, dv_parts, dq = [], [], None
+    for first in range(0, num_kv_blocks, per_call):
+        count = min(per_call, num_kv_blocks - first)
+        keys = k.shape[2] if count == num_kv_blocks else min(count * block_k, skv - first * block_k)
+        dk_c, dv_c, *dq_part = _dkv_call(
+            inputs, first, count, keys, walk=walk, walk_steps=walk_steps, fused_dq=fused_dq, skv=skv,
+            num_kv_blocks=num_kv_blocks, padded_rows=padded_rows, operands=operands, semantics=semantics,
+            generation=generation, interpret=interpret, k=k, v=v, common=common)
+        dk_parts.append(dk_c)
+        dv_parts.append(dv_c)
+        if fused_dq:
+            total = kr.sum_live_parts(dq_part[0], table, num_q_blocks=num_q_blocks, block_q=block_q,
+                                      first_kv_block=first)
+            dq = total if dq is None else dq + total
+    dk, dv_ = (parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=2) for parts in (dk_parts, dv_parts))
     if fused_dq:
-        dq = kr.sum_live_parts(outs[2], table, num_q_blocks=num_q_blocks, block_q=block_q)[:, :, :rows] * scale
+        dq = dq[:, :, :rows] * scale
         return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv_.astype(v.dtype), d_sinks
 
     # dq: each query block walks the key blocks it sees (skipped ones re-use the resident block).
