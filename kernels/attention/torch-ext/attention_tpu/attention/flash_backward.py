@@ -287,7 +287,6 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
                   rule=kr.KernelRule(sub_q, sq, skv, causal, window))
     operands = (q, k, v, dout, key_bounds)
     semantics = ("parallel", "parallel", "parallel", "arbitrary")
-    kv_walk = kr.kv_steps(table, num_kv_blocks=num_kv_blocks, splits=1)
 
     # dk, dv: each key block walks the query blocks; those that do not see it
     # keep the resident query-side blocks (no DMA).
@@ -315,7 +314,7 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
     dk_parts, dv_parts, dq = [], [], None
     for first in range(0, num_kv_blocks, per_call):
         count = min(per_call, num_kv_blocks - first)
-        keys = k.shape[2] if count == num_kv_blocks else min(count * block_k, skv - first * block_k)
+        keys = min(count * block_k, skv - first * block_k)  # the last call's may end inside its last block
         dk_c, dv_c, *dq_part = _dkv_call(
             inputs, first, count, keys, walk=walk, walk_steps=walk_steps, fused_dq=fused_dq, skv=skv,
             num_kv_blocks=num_kv_blocks, padded_rows=padded_rows, operands=operands, semantics=semantics,
@@ -332,6 +331,7 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
         return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv_.astype(v.dtype), d_sinks
 
     # dq: each query block walks the key blocks it sees (skipped ones re-use the resident block).
+    kv_walk = kr.kv_steps(table, num_kv_blocks=num_kv_blocks, splits=1)
     where = dict(num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks)
 
     def kv_index(b, h, qb, step, table_ref, *_):
