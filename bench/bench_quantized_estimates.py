@@ -2,7 +2,9 @@
 
 The layer of ``bench_tpu_estimates.py`` (``down(gate(up(x)))`` on rows sorted
 by expert, group sizes from a random top-k routing) with the weights in each
-format of ``common.quant_formats``: ``gmm(..., weight_format=...)`` twice.
+format of ``common.quant_formats``: the experts program's ``two_matmuls(...,
+weight_format=...)`` (the gate at the up projection's store where
+``pallas_qgmm.gated_store_tiling`` allows it, else an XLA pass).
 Each contender is compared with its own roofline: the MXU time of the
 flops, or the HBM time of what it must move at least (rows in, bf16; the
 weights of every expert with rows, in the format: values + scales bytes,
@@ -55,22 +57,15 @@ def problem(model: str, tokens: int, fmt_name: str, rng_seed=0):
 
 
 def layer_fn(fmt_name: str, gate: str, generation: str, fused: bool):
-    import jax.numpy as jnp
-
-    from moe_experts_tpu.experts.gates import apply_gate
-    from moe_experts_tpu.gmm import pallas_gmm
-
-    def act(h):
-        return apply_gate(h, gate, 1.702, 7.0).astype(jnp.bfloat16)
-
     if fmt_name == "bf16":  # our bf16 kernels exactly as the layer table runs them
         return contender_fn("ours fused" if fused else "ours", gate, generation)
 
-    def fn(x, up, up_s, down, down_s, gs):
-        h = pallas_gmm.gmm(x, up, gs, rhs_scales=up_s, weight_format=fmt_name, out_dtype=jnp.float32,
-                           generation=generation)
-        return pallas_gmm.gmm(act(h), down, gs, rhs_scales=down_s, weight_format=fmt_name,
-                              out_dtype=jnp.float32, generation=generation)
+    from moe_experts_tpu.experts import program
+
+    def fn(x, up, up_s, down, down_s, gs):  # the experts program's quantized path (gated store where it applies)
+        return program.two_matmuls(x, up, down, gs, gate=gate, alpha=1.702, limit=7.0, rhs_layout="nk",
+                                   generation=generation, up_scales=up_s, down_scales=down_s,
+                                   weight_format=fmt_name)
     return fn
 
 

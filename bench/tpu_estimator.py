@@ -853,12 +853,20 @@ def inner_loops(rp: GridReplay, schedule: tpu_schedule.Schedule):
     the lowering keeps rolled (both in program order, outer before inner):
     [(schedule loop, record, per-step multiplier: trips of enclosing loops)],
     and whether the two lists matched (else nothing is paired and every
-    inner loop is charged one trip)."""
+    inner loop is charged one trip).
+
+    Mosaic may add loops of its own (a few bundles each, e.g. around a
+    packed 16-bit store after an in-kernel gate): where the schedule has more
+    loops than the kernel, the kernel's are paired with the longest ones
+    (``kernel_loops_among``), if that keeps every nested loop inside its
+    parent's; the others are charged their one static trip."""
     body = body_loop(rp, schedule)
     sched = sorted((lp for lp in schedule.loops if lp != body and body.start <= lp.start and lp.end <= body.end),
                    key=lambda lp: (lp.start, -lp.end))
     rolled = [i for i, rec in enumerate(rp.loops) if not rec.unrolled]
-    if len(sched) != len(rolled):
+    if len(sched) > len(rolled):
+        sched = kernel_loops_among(sched, len(rolled))
+    if len(sched) != len(rolled) or not _nesting_agrees(sched, rolled, rp.loops):
         return [], False
     pairs = []
     for lp, i in zip(sched, rolled):
@@ -869,6 +877,24 @@ def inner_loops(rp: GridReplay, schedule: tpu_schedule.Schedule):
             parent = rp.loops[parent].parent
         pairs.append((lp, rp.loops[i], mult))
     return pairs, True
+
+
+def kernel_loops_among(sched: list, count: int) -> list:
+    """The ``count`` longest of the schedule loops ``sched``, in program order."""
+    longest = sorted(range(len(sched)), key=lambda i: -sched[i].cycles)[:count]
+    return [sched[i] for i in sorted(longest)]
+
+
+def _nesting_agrees(sched: list, rolled: list[int], records: list) -> bool:
+    """Whether every paired kernel loop sits inside its parent's schedule loop."""
+    loop_of = dict(zip(rolled, sched))
+    for i, lp in loop_of.items():
+        parent = records[i].parent
+        while parent is not None and parent not in loop_of:  # an unrolled parent has no schedule loop
+            parent = records[parent].parent
+        if parent is not None and not (loop_of[parent].start <= lp.start and lp.end <= loop_of[parent].end):
+            return False
+    return True
 
 
 def inner_loop_cycles(pairs, steps: int) -> np.ndarray:

@@ -195,6 +195,111 @@ def test_window_of_local_groups_and_empty_groups(fmt_name):
         assert_matches(got, lhs, w, sizes, jnp.bfloat16, offset, what=f"{fmt_name} {kind} offset={offset}")
 
 
+@pytest.mark.parametrize("generation", ["v6e", "v4"])
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_weight_prefetch_over_column_tiles_and_a_group_window(fmt_name, generation):
+    """Whole-K steps on one TensorCore (v6e): the kernel moves its value
+    tiles itself, a run of visits ahead (``pallas_gmm.WeightPrefetch``),
+    chaining runs over many groups and three column tiles (a partial last
+    one of 64 rows: a legal 8-bit DMA), with idle visits of a group window
+    before and after; a megacore (v4) keeps the grid's pipeline. Prefill
+    rows (the dequantized tile kept over a group's visits) and decode rows
+    (bf16, a few rows a group: fp8's K slices, mxfp4's stacked path)."""
+    from ragged_dot_tpu.gmm import pallas_gmm as kernels
+
+    assert kernels.prefetches_weights(True, generation) == (generation == "v6e")
+    assert kernels.WeightBlock("nk", 128, 320, 256).tiles_align(3, 1)
+    rng = np.random.default_rng([SEED, 23, FORMATS.index(fmt_name), generation == "v6e"])
+    k, n, g, local, offset = 256, 320, 9, 7, 1
+    for m, dtype, tm in ((300, jnp.float32, 64), (40, jnp.bfloat16, 16)):
+        lhs, values, scales, sizes = inputs(rng, fmt_name, m, k, n, g, "random", dtype, num_local=local)
+        got = run_gmm(lhs, values, scales, sizes, fmt_name, dtype, tiling=(tm, k, 128), generation=generation,
+                      group_offset=offset)
+        w = reference.dequantize_weights(values, scales, fmt_name)
+        assert_matches(got, lhs, w, sizes, dtype, offset, what=f"{fmt_name} {generation} m={m} sizes={sizes}")
+
+
+def _gate_reference(h, halves, bias=None, rows_group=None):
+    """float64 clamped SwiGLU (gpt-oss's gate at alpha 1.5, limit 4) of the
+    up projection ``h``, its halves where ``halves`` says, plus each row's bias."""
+    if bias is not None:
+        h = h + bias[rows_group]
+    g, u = (h[:, 0::2], h[:, 1::2]) if halves == "interleaved" else np.split(h, 2, axis=1)
+    g, u = np.minimum(g, 4.0), np.clip(u, -4.0, 4.0)
+    return g * 0.5 * (1 + np.tanh(0.75 * g)) * (u + 1)  # sigmoid(1.5 g) without overflow
+
+
+# (halves, m, k, 2I, groups, tiling, bias, generation): interleaved halves over
+# three values tiles of 256 (a partial last one: 2I = 640) with a bias and a
+# group window, and whole ones; concatenated halves in one whole tile; decode
+# rows (fp8's K slices, mxfp4's stacked path); the v4 (grid pipeline) kernel.
+GATED_CASES = [("interleaved", 300, 256, 640, 5, (64, 256, 128), True, "v6e"),
+               ("interleaved", 40, 256, 512, 4, None, True, "v6e"),
+               ("concatenated", 300, 256, 512, 5, (64, 256, 256), False, "v6e"),
+               ("concatenated", 37, 256, 256, 4, None, False, "v6e"),
+               ("interleaved", 300, 256, 640, 5, (64, 256, 128), True, "v4")]
+
+
+@pytest.mark.parametrize("case", range(len(GATED_CASES)))
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_gated_store_matches_float64(fmt_name, case):
+    """``gmm(glu=)`` on quantized weights: the gate (and the up bias) at the
+    store, ``[M, I]`` bf16 activations. The same kernel's f32 product (held
+    to float64 dequantize-then-matmul here too) plus the bias, gated in
+    float64, must match within the bf16 rounding of the stored activation:
+    a swapped half, a missed bias or a mispaired column fails. Rows outside
+    the local groups (a window of the groups) are zeros, not a gate of the
+    bias."""
+    from moe_experts_tpu.experts.gates import pair_gate
+
+    halves, m, k, n, g, t, with_bias, generation = GATED_CASES[case]
+    rng = np.random.default_rng([SEED, 29, FORMATS.index(fmt_name), case])
+    offset, local = (1, g - 2) if with_bias else (0, g)
+    lhs, values, scales, sizes = inputs(rng, fmt_name, m, k, n, g, "random", jnp.bfloat16, num_local=local)
+    w = reference.dequantize_weights(values, scales, fmt_name)
+    # Products of order 1 (the gate's curved range, limit 4 rarely reached).
+    lhs = np.asarray(jnp.asarray(lhs * 2.0 / np.abs(reference.ragged_dot(lhs, w, sizes, "nk", offset)).max(),
+                                 jnp.bfloat16).astype(jnp.float32), np.float64)
+    bias = rng.standard_normal((local, n)).astype(np.float32) if with_bias else None
+    kw = dict(tiling=t, generation=generation, group_offset=offset)
+    h = np.asarray(run_gmm(lhs, values, scales, sizes, fmt_name, jnp.bfloat16, out_dtype=jnp.float32, **kw),
+                   np.float64)
+    assert_matches(h, lhs, w, sizes, jnp.float32 if fmt_name == "int8" else jnp.bfloat16, offset,
+                   what=f"{fmt_name} product")
+    got = run_gmm(lhs, values, scales, sizes, fmt_name, jnp.bfloat16, out_dtype=jnp.bfloat16,
+                  glu=pair_gate("gpt_oss", 1.5, 4.0), glu_halves=halves,
+                  glu_bias=None if bias is None else jnp.asarray(bias), **kw)
+    assert got.shape == (m, n // 2) and got.dtype == jnp.bfloat16
+    starts, ends = reference.bounds(sizes)
+    rows_group = np.zeros(m, np.int64)
+    local_rows = np.zeros(m, bool)
+    for j in range(local):
+        rows_group[starts[offset + j]:ends[offset + j]] = j
+        local_rows[starts[offset + j]:ends[offset + j]] = True
+    want = np.where(local_rows[:, None], _gate_reference(h, halves, bias, rows_group), 0.0)
+    got = np.asarray(got.astype(jnp.float32), np.float64)
+    assert not np.isnan(got).any(), f"{fmt_name} {halves}: NaN (unwritten) elements"
+    assert (got[~local_rows] == 0).all(), "rows outside the local groups must be zeros"
+    err = (np.abs(got - want) / (2.0 ** -8 * np.abs(want) + 1e-5 * np.abs(want).max())).max()
+    assert err <= 1, f"{fmt_name} {GATED_CASES[case]}: error {err:.3g} of the bf16 rounding (seed {SEED})"
+
+
+def test_gated_store_refuses_concatenated_halves_split_over_tiles():
+    """Concatenated halves whose values tile cannot hold all 2I columns: the
+    gate needs both halves in one step (``gated_store_tiling`` says None, the
+    experts program then gates in XLA)."""
+    from ragged_dot_tpu.gmm import pallas_qgmm
+
+    assert pallas_qgmm.gated_store_tiling("int8", "concatenated", 64, 256, 512, 2, lhs_itemsize=2, out_itemsize=2,
+                                          tiling=(16, 256, 128)) is None
+    assert pallas_qgmm.gated_store_tiling("int8", "interleaved", 64, 256, 512, 2, lhs_itemsize=2, out_itemsize=2,
+                                          tiling=(16, 256, 128)).tn == 256
+    lhs, values, scales, sizes = _args("int8", n=512)
+    with pytest.raises(ValueError, match="glu: the gated store of int8 weights needs concatenated halves"):
+        pallas_gmm.gmm(lhs, values, sizes, rhs_scales=scales, weight_format="int8", glu=lambda a, b: a * b,
+                       tiling=(8, 256, 128))
+
+
 @pytest.mark.parametrize("fmt_name", FORMATS)
 def test_poisoned_output_every_element_written(fmt_name):
     """Row tiles shared by several groups and a zero suffix, in the poisoning

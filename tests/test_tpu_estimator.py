@@ -336,6 +336,27 @@ def test_inner_loop_charged_by_its_trip_count(inner_and_manual):
     assert r["loop8"]["cycles"] - r["loop2"]["cycles"] == 6 * body
 
 
+def test_kernel_loops_paired_with_the_longest_schedule_loops():
+    """Mosaic's own short loops (a packed store's, after an in-kernel gate)
+    beside a kernel's fori_loop: the kernel's loop pairs with the longest
+    schedule loop, so its trips are charged; when the longest loops would put
+    a nested kernel loop outside its parent's, nothing is paired."""
+    from types import SimpleNamespace
+
+    L, Rec = tpu_schedule.Loop, tpu_estimator.LoopRecord
+    grid = L(0, 2000)
+    schedule = SimpleNamespace(loops=[grid, L(100, 900), L(950, 983), L(990, 1000)], grid_loop=lambda: grid)
+    rp = SimpleNamespace(steps=3, loops=[Rec(np.array([24, 24, 0]), False, None)])
+    pairs, matched = tpu_estimator.inner_loops(rp, schedule)
+    assert matched and [lp for lp, _, _ in pairs] == [L(100, 900)]
+    assert list(tpu_estimator.inner_loop_cycles(pairs, 3)) == [23 * 800, 23 * 800, 0]
+    nested = SimpleNamespace(steps=3, loops=[Rec(np.array([2] * 3), False, None), Rec(np.array([4] * 3), False, 0)])
+    assert tpu_estimator.inner_loops(nested, schedule) == ([], False)
+    schedule.loops.append(L(200, 400))  # now the inner loop's schedule loop sits in the outer's
+    pairs, matched = tpu_estimator.inner_loops(nested, schedule)
+    assert matched and [lp for lp, _, _ in pairs] == [L(100, 900), L(200, 400)]
+
+
 def test_manual_dmas_bytes_and_waits_on_the_schedule(inner_and_manual):
     c = inner_and_manual["copies"]
     v5e = tpu_estimator.CHIPS["v5e"]

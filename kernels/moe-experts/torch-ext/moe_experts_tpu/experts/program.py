@@ -27,9 +27,11 @@ bench/bench_experts.py: equal at decode, 1.1x at 1024 tokens, 1.4x at 4096).
 Quantized weights (``weight_format`` "int8" | "fp8" | "mxfp4", values in
 ``up_weight`` / ``down_weight`` stored "nk", scales in ``up_scales`` /
 ``down_scales``: ``common.quant_formats``) always take the two grouped
-matmuls (``pallas_qgmm``: each weight tile dequantized in VMEM); the fused
-kernel reads bf16 / f32 weights only. Activations stay in the hidden
-states' dtype (bf16, or f32 for f32 hidden states).
+matmuls (``pallas_qgmm``: each weight tile dequantized in VMEM), the gate at
+the up projection's store where both halves of a column tile are in one
+step (``gated_store_applies``: gpt-oss, Qwen3-30B-A3B; not Mixtral-8x7B);
+the fused kernel reads bf16 / f32 weights only. Activations stay in the
+hidden states' dtype (bf16, or f32 for f32 hidden states).
 
 The gate is named, not traced from the module, because a JAX program cannot
 call the module's torch code: ``module_layout.gate_of_module`` maps the module
@@ -41,7 +43,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ..gmm import pallas_gmm
+from ..gmm import pallas_gmm, pallas_qgmm
 from . import pallas_fused_experts
 from .gates import apply_gate, gate_halves, kernel_gate
 
@@ -105,29 +107,46 @@ def experts_forward(
 
 
 def two_matmuls(x, up_weight, down_weight, group_sizes, *, up_bias=None, down_bias=None, safe_ids=None,
-                gate: str, alpha: float, limit: float, rhs_layout: str, generation=None, interpret=False):
+                gate: str, alpha: float, limit: float, rhs_layout: str, generation=None, interpret=False,
+                up_scales=None, down_scales=None, weight_format: str | None = None):
     """The unfused way through the matmuls, on rows sorted by expert: ``[M,
     H]`` f32. Biases are gathered per row by ``safe_ids`` (the rows' experts).
     Both matmuls get the chip's tiles and VMEM limit (without generation=, a
-    v4 would be given v6e's and overflow its 16 MiB)."""
+    v4 would be given v6e's and overflow its 16 MiB). Quantized weights
+    (``weight_format``) come with their scales; the activations then stay in
+    ``x``'s dtype."""
     glu, halves = kernel_gate(gate, alpha, limit), gate_halves(gate)
-    if glu is not None and pallas_gmm.glu_supported(up_weight.shape, rhs_layout, halves):
+    act_dtype = down_weight.dtype if weight_format is None else x.dtype
+
+    def matmul(lhs, weights, scales, **kw):
+        return pallas_gmm.gmm(lhs, weights, group_sizes, rhs_layout=rhs_layout, generation=generation,
+                              interpret=interpret, rhs_scales=scales, weight_format=weight_format, **kw)
+
+    if glu is not None and gated_store_applies(x, up_weight, halves, rhs_layout, weight_format, generation):
         # The gate (and the up bias) at the up projection's store: its f32
         # [rows, 2I] output and the gate's pass over it never reach HBM.
-        act = pallas_gmm.gmm(x, up_weight, group_sizes, rhs_layout=rhs_layout, out_dtype=down_weight.dtype,
-                             generation=generation, interpret=interpret, glu=glu, glu_halves=halves,
-                             glu_bias=up_bias)
+        act = matmul(x, up_weight, up_scales, out_dtype=act_dtype, glu=glu, glu_halves=halves, glu_bias=up_bias)
     else:
-        h = pallas_gmm.gmm(x, up_weight, group_sizes, rhs_layout=rhs_layout,
-                           out_dtype=jnp.float32, generation=generation, interpret=interpret)
+        h = matmul(x, up_weight, up_scales, out_dtype=jnp.float32)
         if up_bias is not None:
             h = h + up_bias[safe_ids].astype(jnp.float32)
-        act = apply_gate(h, gate, alpha, limit).astype(down_weight.dtype)
-    out = pallas_gmm.gmm(act, down_weight, group_sizes, rhs_layout=rhs_layout,
-                         out_dtype=jnp.float32, generation=generation, interpret=interpret)
+        act = apply_gate(h, gate, alpha, limit).astype(act_dtype)
+    out = matmul(act, down_weight, down_scales, out_dtype=jnp.float32)
     if down_bias is not None:
         out = out + down_bias[safe_ids].astype(jnp.float32)
     return out
+
+
+def gated_store_applies(x, up_weight, halves, rhs_layout, weight_format, generation) -> bool:
+    """Whether the up projection can apply the gate at its store (``gmm(glu=)``):
+    halves it can split, and for quantized weights a values tile holding both
+    halves of its columns (``pallas_qgmm.gated_store_tiling``; Mixtral-8x7B's
+    concatenated 2 x 14336 columns do not fit one)."""
+    if not pallas_gmm.glu_supported(up_weight.shape, rhs_layout, halves):
+        return False
+    return weight_format is None or pallas_qgmm.gated_store_tiling(
+        weight_format, halves, x.shape[0], x.shape[1], up_weight.shape[1], up_weight.shape[0],
+        lhs_itemsize=x.dtype.itemsize, out_itemsize=x.dtype.itemsize, generation=generation) is not None
 
 
 def _quantized_experts(hidden_states, order, sorted_ids, group_sizes, top_k_weights, top_k, up_weight,
@@ -146,15 +165,10 @@ def _quantized_experts(hidden_states, order, sorted_ids, group_sizes, top_k_weig
     safe_ids = jnp.minimum(sorted_ids, num_experts - 1)
     act_dtype = jnp.float32 if hidden_states.dtype == jnp.float32 else jnp.bfloat16
     x = hidden_states[order // top_k].astype(act_dtype)
-    h = pallas_gmm.gmm(x, up_weight, group_sizes, rhs_scales=up_scales, weight_format=weight_format,
-                       out_dtype=jnp.float32, generation=generation, interpret=interpret)
-    if up_bias is not None:
-        h = h + up_bias[safe_ids].astype(jnp.float32)
-    act = apply_gate(h, gate, alpha, limit).astype(act_dtype)
-    out = pallas_gmm.gmm(act, down_weight, group_sizes, rhs_scales=down_scales, weight_format=weight_format,
-                         out_dtype=jnp.float32, generation=generation, interpret=interpret)
-    if down_bias is not None:
-        out = out + down_bias[safe_ids].astype(jnp.float32)
+    out = two_matmuls(x, up_weight, down_weight, group_sizes, up_bias=up_bias, down_bias=down_bias,
+                      safe_ids=safe_ids, gate=gate, alpha=alpha, limit=limit, rhs_layout=rhs_layout,
+                      generation=generation, interpret=interpret, up_scales=up_scales, down_scales=down_scales,
+                      weight_format=weight_format)
     return _combine(out, order, remote, top_k_weights, num_tokens, top_k, hidden, out_dtype)
 
 

@@ -492,7 +492,9 @@ def gmm(
 
     ``weight_format`` ("int8", "fp8", "mxfp4": ``common.quant_formats``)
     makes ``rhs`` that format's values ("nk" only) and ``rhs_scales`` its
-    scales: the kernel of ``pallas_qgmm``, whose arguments are checked.
+    scales: the kernel of ``pallas_qgmm``, whose arguments are checked
+    (``glu`` too, where ``pallas_qgmm.gated_store_tiling`` allows it; else a
+    ValueError).
 
     ``glu``: the gated up projection of an MLP. ``rhs`` holds ``2I`` output
     features, a gate half and an up half, ``glu_halves`` "concatenated" (the
@@ -504,15 +506,12 @@ def gmm(
     zeros. ``tiling``'s ``tn`` is the output tile: a step reads ``tn``
     columns of each half."""
     if weight_format is not None:
-        if glu is not None:
-            raise ValueError("glu: the gated up projection reads bf16 / f32 weights, not weight_format="
-                             f"{weight_format!r}")
         from . import pallas_qgmm  # imports this module: a late import
 
         return pallas_qgmm.gmm_quantized(
             lhs, rhs, rhs_scales, group_sizes, weight_format=weight_format, rhs_layout=rhs_layout,
             group_offset=group_offset, out_dtype=out_dtype, tiling=tiling, generation=generation,
-            interpret=interpret)
+            interpret=interpret, glu=glu, glu_halves=glu_halves, glu_bias=glu_bias)
     if rhs_scales is not None:
         raise ValueError("rhs_scales given without weight_format (one of 'int8', 'fp8', 'mxfp4')")
     m, k = lhs.shape

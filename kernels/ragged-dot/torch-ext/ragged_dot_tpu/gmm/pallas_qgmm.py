@@ -75,6 +75,24 @@ Both mxfp4 paths: the two nibbles of a byte are k = 2j and 2j + 1; rather
 than interleave lanes in VMEM, the wrapper reorders lhs per K tile into
 [even k | odd k] (each half padded to whole lanes) and the kernel contracts
 it with [low nibbles | high nibbles]: the same sum.
+
+Weight tiles: with K whole on a one-TensorCore chip (v5e, v6e, tpu7x) the
+kernel moves its value tiles itself, a run of visits ahead
+(``pallas_gmm.WeightPrefetch``, as the bf16 forward does); the scales stay
+on the grid's pipeline. Estimated v6e, Qwen3-30B-A3B 4096 tokens, int8 down
+projection 491 -> 415 us (the grid's one-step-ahead fetch of a new group's
+tile stalled the MXU), up 671 -> 610.
+
+The gated up projection (``gmm(glu=)``, as for bf16 weights): the gate (and
+the up bias) applied at the store to the f32 product of the step's values
+tile, ``[tm, tn / 2]`` activations written in the lhs dtype. A step gates
+only its own columns, so the halves must lie in one tile
+(``gated_store_tiling``): gpt-oss's interleaved halves in any tile of whole
+256-column pairs, concatenated halves when one tile spans all 2I columns
+(Qwen3-30B-A3B's 1536; not Mixtral-8x7B's 28672, whose gate stays an XLA
+pass). Estimated v6e, gpt-oss-20b 4096 tokens int8, the layer: 3281 -> 2128
+us (the XLA gate over the f32 [16384, 5760] product, its interleaved halves
+read by strided lane slices, cost 1460 us; the store's gate 305).
 """
 
 from __future__ import annotations
@@ -90,7 +108,8 @@ from ..common import quant_formats
 from ..common.pallas_helpers import compiler_params, dot_f32, out_struct, zero_past
 from ..common.tile_math import cdiv
 from . import quantized, tiling as tiling_lib
-from .pallas_gmm import forward_visits, store_visit_rows
+from .pallas_gmm import (WeightBlock, WeightPrefetch, _gate_interleaved, check_glu_args, forward_visits,
+                         prefetches_weights, store_chunk_rows, store_visit_rows, weight_runs)
 
 FP8_BLOCK = quant_formats.FORMATS["fp8"].block_k  # 128 (both dims)
 MXFP4_BLOCK = quant_formats.FORMATS["mxfp4"].block_k  # 32 values, 16 packed bytes
@@ -400,14 +419,25 @@ def dequantizing_visits(seg, num_local: int, tiles_k: int):
 
 
 def _qgmm_kernel(
-    seg_ref, tile_ref, seg_start_ref, seg_end_ref, _group_ref, dequantize_ref,  # scalar prefetch (SMEM)
-    lhs_ref, values_ref, scales_ref,  # inputs (VMEM)
-    out_ref,
-    acc_ref, wq_ref, *expanded_ref,  # f32 accumulator, dequantized tile, fp8: expanded scales
+    *refs,  # scalar prefetch (SMEM): the visit arrays, dequantizing visits (+ weight runs); lhs, values (in HBM
+    # when prefetched), scales; out; scratch: f32 accumulator, dequantized tile, expanded scales (fp8, mxfp4
+    # stacked), the prefetched weight buffers and their semaphores
     weight_format: str, tm: int, tn: int, tk: int, k: int, tiles_n: int, tiles_k: int,
     num_segments: int, row_chunk: int, half: int, fp8_sliced: bool, e4m3_into_mxu: bool,
-    mxfp4_stacked: bool,
+    mxfp4_stacked: bool, prefetch: WeightPrefetch | None = None, glu=None, glu_halves: str | None = None,
+    has_bias: bool = False, valid_cols: int = 0, masked_store: bool = True,
 ):
+    num_scalars = 6 + (3 if prefetch else 0)
+    seg_ref, tile_ref, seg_start_ref, seg_end_ref, _group_ref, dequantize_ref = refs[:6]
+    run_refs = refs[6:num_scalars]
+    lhs_ref, values_ref, scales_ref = refs[num_scalars:num_scalars + 3]
+    refs = refs[num_scalars + 3:]
+    bias_ref, refs = (refs[0], refs[1:]) if has_bias else (None, refs)
+    out_ref, acc_ref, wq_ref = refs[:3]
+    expanded_ref = refs[3:len(refs) - (2 if prefetch else 0)]
+    if prefetch:
+        buf, sems = refs[-2:]
+        values_ref = buf.at[prefetch.fetch([values_ref], [buf], sems, *run_refs)]
     n_i, v, k_i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seg = seg_ref[v]
     is_local = (seg > 0) & (seg < num_segments - 1)
@@ -478,24 +508,94 @@ def _qgmm_kernel(
             live = live & (live_rows > few_rows[-1][1])
         pl.when(live)(functools.partial(accumulate, rows))
 
-    @pl.when(k_i == tiles_k - 1)
-    def _store():
+    def product():
         value = acc_ref[...]
         if weight_format == "int8":
             value = value * scales_ref[...]  # [1, tn]: one scale per output column
-        store_visit_rows(out_ref, value, v, tile_ref, tm, start, end)
+        return value
+
+    if glu is None:
+        pl.when(k_i == tiles_k - 1)(lambda: store_visit_rows(out_ref, product(), v, tile_ref, tm, start, end))
+        return
+
+    def store_gated_chunk(c, rows):
+        value = acc_ref[rows, :]
+        if weight_format == "int8":
+            value = value * scales_ref[...]
+        if bias_ref is not None:
+            value = value + bias_ref[...].astype(jnp.float32)
+        if glu_halves == "concatenated":  # the step's tile holds both whole halves
+            half_width = value.shape[1] // 2
+            gated = glu(value[:, :half_width], value[:, half_width:])
+        else:
+            gated = _gate_interleaved(value, glu, out_ref.dtype, n_i, valid_cols)
+        store_chunk_rows(out_ref, pl.ds(rows.start, row_chunk), gated, tile_ref[v] * tm + c * row_chunk, start, end,
+                         masked_store)
+
+    # Only the chunks holding the visit's rows are gated and stored (a boundary
+    # visit gates its own rows, not the whole tile); the other rows belong to
+    # other visits of the tile, which write them.
+    for c, (rows, live) in enumerate(chunks):
+        pl.when((k_i == tiles_k - 1) & live)(functools.partial(store_gated_chunk, c, rows))
+
+    # Rows outside the local groups are zeros (not a gate of zero products, which a bias makes nonzero).
+    @pl.when((k_i == tiles_k - 1) & jnp.logical_not(is_local))
+    def _store_idle():
+        store_visit_rows(out_ref, jnp.zeros(out_ref.shape, jnp.float32), v, tile_ref, tm, start, end)
+
+
+def gated_store_tiling(weight_format: str, glu_halves: str, m: int, k: int, n: int, num_local: int, *,
+                       lhs_itemsize: int, out_itemsize: int, generation=None, tiling=None):
+    """The tiles of the gated up projection (``gmm(glu=)``) on quantized
+    weights, ``tn`` the width of the values tile a step reads (``2I = n``
+    columns in all; a given ``tiling``'s ``tn`` is the output tile, as for
+    bf16 weights), or None where the store cannot apply the gate. A step
+    gates the columns of its own tile: interleaved halves (gpt-oss) pair
+    neighbouring columns, so any tile of whole 128-column output tiles works
+    (a multiple of 256 values columns, or all 2I); concatenated halves are
+    both in a step only when the tile spans all 2I columns, with I a
+    multiple of 128 (lane-aligned halves): Qwen3-30B-A3B, not Mixtral-8x7B's
+    28672 columns (its gate stays an XLA pass over the f32 product)."""
+    if tiling is not None:
+        t = tiling if isinstance(tiling, tiling_lib.Tiling) else tiling_lib.Tiling(*tiling)
+        t = tiling_lib.Tiling(t.tm, t.tk, min(2 * t.tn, n))
+    else:
+        t = tiling_lib.choose_quantized_tiling(weight_format, m, k, n, num_local, lhs_itemsize=lhs_itemsize,
+                                               out_itemsize=out_itemsize, generation=generation)
+    if t.tn >= n:
+        t = tiling_lib.Tiling(t.tm, t.tk, n)
+        return t if glu_halves == "interleaved" or (n // 2) % 128 == 0 else None
+    if glu_halves != "interleaved":
+        return None
+    return tiling_lib.Tiling(t.tm, t.tk, max(256, t.tn // 256 * 256))
 
 
 def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_layout: str = "nk",
-                  group_offset=0, out_dtype=None, tiling=None, generation=None, interpret=False):
-    """``lhs @ dequantize(values, scales)^T`` per group (see the module docstring)."""
+                  group_offset=0, out_dtype=None, tiling=None, generation=None, interpret=False,
+                  glu=None, glu_halves: str = "concatenated", glu_bias=None):
+    """``lhs @ dequantize(values, scales)^T`` per group (see the module
+    docstring); with ``glu``, the gated up projection of ``pallas_gmm.gmm``
+    (``[M, n / 2]`` activations), where ``gated_store_tiling`` allows it."""
     quantized.check_quantized_gmm_args(lhs, values, scales, weight_format, rhs_layout)
     m, k = lhs.shape
     num_local, n = values.shape[:2]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    if glu is not None:
+        check_glu_args(values.shape, rhs_layout, glu_halves, glu_bias)
+    elif glu_bias is not None:
+        raise ValueError("glu_bias given without glu (the gated up projection's bias)")
+    n_out = n if glu is None else n // 2
     if 0 in (m, k, n):
-        return jnp.zeros((m, n), out_dtype)
-    if tiling is None:
+        return jnp.zeros((m, n_out), out_dtype)
+    if glu is not None:
+        t = gated_store_tiling(weight_format, glu_halves, m, k, n, num_local, lhs_itemsize=lhs.dtype.itemsize,
+                               out_itemsize=out_dtype.itemsize, generation=generation, tiling=tiling)
+        if t is None:
+            raise ValueError(f"glu: the gated store of {weight_format} weights needs {glu_halves} halves in one "
+                             f"step's tile (gated_store_tiling): not for values of shape {tuple(values.shape)} "
+                             f"at tiling={tiling}")
+        tiling_lib.validate_quantized_tiling(weight_format, t, m, k, n)
+    elif tiling is None:
         t = tiling_lib.choose_quantized_tiling(weight_format, m, k, n, num_local,
                                                lhs_itemsize=lhs.dtype.itemsize,
                                                out_itemsize=out_dtype.itemsize, generation=generation)
@@ -503,6 +603,7 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
         t = tiling if isinstance(tiling, tiling_lib.Tiling) else tiling_lib.Tiling(*tiling)
         tiling_lib.validate_quantized_tiling(weight_format, t, m, k, n)
     tm, tk, tn = t.as_tuple()
+    tn_out = tn if glu is None else tn // 2
     tiles_k, tiles_n = cdiv(k, tk), cdiv(n, tn)
     tkw = tiling_lib.quantized_k_width(weight_format, tk)
     half = tkw // 2
@@ -520,7 +621,7 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
         lhs = quantized.split_even_odd(lhs, tk, tiles_k, half)
         values_block = (pl.Squeezed(), tn, tk // 2)
         scales_spec = pl.BlockSpec((pl.Squeezed(), tn, tk // MXFP4_BLOCK),
-                                   lambda n_i, v, k_i, s, tl, a, b, g, dq: (g[v], n_i, k_i))
+                                   lambda n_i, v, k_i, s, tl, a, b, g, *_: (g[v], n_i, k_i))
     elif fp8_sliced:
         values_block = (pl.Squeezed(), tn, tk)
         # [E, K/128, N/128], padded to whole (8, 128) tiles: the kernel expands one row per K slice
@@ -528,53 +629,73 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
         scales_t = jnp.pad(scales_t, ((0, 0), (0, -scales_t.shape[1] % 8), (0, -scales_t.shape[2] % 128)))
         scales = scales_t
         scales_spec = pl.BlockSpec((pl.Squeezed(), *scales.shape[1:]),
-                                   lambda n_i, v, k_i, s, tl, a, b, g, dq: (g[v], 0, 0))
+                                   lambda n_i, v, k_i, s, tl, a, b, g, *_: (g[v], 0, 0))
     elif weight_format == "fp8":
         values_block = (pl.Squeezed(), tn, tk)
         blocks_n = tiles_n * cdiv(tn, FP8_BLOCK)
         if scales.shape[1] < blocks_n:  # a partial last column tile reads whole blocks of scale rows
             scales = jnp.pad(scales, ((0, 0), (0, blocks_n - scales.shape[1]), (0, 0)))
         scales_spec = pl.BlockSpec((pl.Squeezed(), *scales.shape[1:]),
-                                   lambda n_i, v, k_i, s, tl, a, b, g, dq: (g[v], 0, 0))
+                                   lambda n_i, v, k_i, s, tl, a, b, g, *_: (g[v], 0, 0))
     else:
         values_block = (pl.Squeezed(), tn, tk)
         scales = scales.reshape(num_local, 1, n)
-        scales_spec = pl.BlockSpec((pl.Squeezed(), 1, tn), lambda n_i, v, k_i, s, tl, a, b, g, dq: (g[v], 0, n_i))
+        scales_spec = pl.BlockSpec((pl.Squeezed(), 1, tn), lambda n_i, v, k_i, s, tl, a, b, g, *_: (g[v], 0, n_i))
     lhs_spec = pl.BlockSpec((tm, tkw), lambda n_i, v, k_i, s, tl, *_: (tl[v], k_i))
-    values_spec = pl.BlockSpec(values_block, lambda n_i, v, k_i, s, tl, a, b, g, dq: (g[v], n_i, k_i))
-    out_spec = pl.BlockSpec((tm, tn), lambda n_i, v, k_i, s, tl, *_: (tl[v], n_i))
+    values_spec = pl.BlockSpec(values_block, lambda n_i, v, k_i, s, tl, a, b, g, *_: (g[v], n_i, k_i))
+    out_spec = pl.BlockSpec((tm, tn_out), lambda n_i, v, k_i, s, tl, *_: (tl[v], n_i))
+    bias_specs, biases = [], []
+    if glu_bias is not None:  # the values tile's columns of its group's bias
+        biases = [glu_bias.reshape(num_local, 1, n)]
+        bias_specs = [pl.BlockSpec((pl.Squeezed(), 1, tn), lambda n_i, v, k_i, s, tl, a, b, g, *_: (g[v], 0, n_i))]
+
+    # With K whole on a one-TensorCore chip the kernel moves its value tiles
+    # itself, a run of visits ahead (``pallas_gmm.WeightPrefetch``); the
+    # scales (a few KB a group) stay on the grid's pipeline.
+    scalars = [seg, tile, seg_starts, seg_ends, weight_group, dequantize]
+    block = WeightBlock("nk", tn, n, values.shape[2])
+    prefetch = None
+    if prefetches_weights(tiles_k == 1, generation) and block.tiles_align(tiles_n, values.dtype.itemsize):
+        prefetch = WeightPrefetch((block,), tiles_n)
+        scalars += list(weight_runs(weight_group, num_visits))
+        values_spec = pl.BlockSpec(memory_space=pl.ANY)
 
     kernel = functools.partial(
         _qgmm_kernel, weight_format=weight_format, tm=tm, tn=tn, tk=tk, k=k, tiles_n=tiles_n,
         tiles_k=tiles_k, num_segments=num_local + 2,
         row_chunk=min(MXFP4_STACKED_ROW_CHUNK, tm) if mxfp4_stacked else tiling_lib.row_chunk(tm, generation),
-        half=half, fp8_sliced=fp8_sliced, e4m3_into_mxu=e4m3_into_mxu, mxfp4_stacked=mxfp4_stacked)
+        half=half, fp8_sliced=fp8_sliced, e4m3_into_mxu=e4m3_into_mxu, mxfp4_stacked=mxfp4_stacked,
+        prefetch=prefetch, glu=glu, glu_halves=glu_halves if glu is not None else None,
+        has_bias=glu_bias is not None, valid_cols=n if glu is not None and n % tn else 0,
+        masked_store=not interpret)
     fmt = quant_formats.weight_format(weight_format)
     cost = pl.CostEstimate(
-        flops=2 * m * k * n, transcendentals=0,
+        flops=2 * m * k * n, transcendentals=0 if glu is None else m * n_out,
         bytes_accessed=(lhs.size * lhs.dtype.itemsize * tiles_n + fmt.hbm_bytes(min(num_local, m), n, k)
-                        + m * n * out_dtype.itemsize))
+                        + m * n_out * out_dtype.itemsize))
     large_vmem = tiling_lib.quantized_working_set_bytes(
         weight_format, t, lhs.dtype.itemsize, out_dtype.itemsize) > tiling_lib.tpu_generations.get_generation(
             generation).vmem_budget and generation_allows_large_vmem(generation)
     call = pl.pallas_call(
         kernel,
-        out_shape=out_struct((m, n), out_dtype, lhs, values, group_sizes),
+        out_shape=out_struct((m, n_out), out_dtype, lhs, values, group_sizes),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=6, grid=(tiles_n, num_visits, tiles_k),
-            in_specs=[lhs_spec, values_spec, scales_spec], out_specs=out_spec,
+            num_scalar_prefetch=len(scalars), grid=(tiles_n, num_visits, tiles_k),
+            in_specs=[lhs_spec, values_spec, scales_spec, *bias_specs], out_specs=out_spec,
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32),
                             pltpu.VMEM((8, 128) if weight_format == "int8" or fp8_sliced or mxfp4_stacked
                                        else (tn, tkw), lhs.dtype)]
             + ([pltpu.VMEM((scales.shape[1], tn), jnp.float32)] if fp8_sliced else
                [pltpu.VMEM((-(-(tk // MXFP4_BLOCK) // 8) * 8, tn), jnp.float32)] if mxfp4_stacked else
-               [pltpu.VMEM((-(-cdiv(tn, FP8_BLOCK) // 8) * 8, tk), jnp.float32)] if weight_format == "fp8" else []),
+               [pltpu.VMEM((-(-cdiv(tn, FP8_BLOCK) // 8) * 8, tk), jnp.float32)] if weight_format == "fp8" else [])
+            + (prefetch.scratch(values.dtype) if prefetch else []),
         ),
-        compiler_params=compiler_params(generation, ("parallel", "arbitrary", "arbitrary"),
+        compiler_params=compiler_params(generation, ("arbitrary" if prefetch else "parallel", "arbitrary",
+                                                     "arbitrary"),
                                         large_vmem=large_vmem),
         interpret=interpret, cost_estimate=cost, name=f"ragged_dot_gmm_{weight_format}",
     )
-    return call(seg, tile, seg_starts, seg_ends, weight_group, dequantize, lhs, values, scales)
+    return call(*scalars, lhs, values, scales, *biases)
 
 
 def generation_allows_large_vmem(generation) -> bool:
