@@ -487,3 +487,31 @@ def test_compiles_for_tpu_generations(fmt_name, generation):
             x, v, gs, rhs_scales=s, weight_format=fmt_name, generation=generation, tiling=(16, 4096, 128)),
             ((24, k), jnp.bfloat16), (fmt.values_shape(g, n, k), jnp.dtype(fmt.values_dtype)),
             (fmt.scales_shape(g, n, k), jnp.dtype(fmt.scales_dtype)), ((g,), jnp.int32))
+
+
+@pytest.mark.parametrize("generation", ["v4", "v5e", "v5p", "v6e", "tpu7x"])
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_gated_store_compiles_for_tpu_generations(fmt_name, generation):
+    """The gated store lowers on every generation: gpt-oss's interleaved
+    halves with the up bias (K = 2880) at decode (fp8's K slices, mxfp4's
+    stacked path) and prefill rows (the dequantized tile), and concatenated
+    halves in one whole tile; the kernel's own weight pipeline on v5e / v6e /
+    tpu7x, the grid's on v4 / v5p."""
+    pytest.importorskip("libtpu")
+    from moe_experts_tpu.experts.gates import pair_gate
+    from ragged_dot_tpu.common import aot
+
+    fmt = quant_formats.weight_format(fmt_name)
+    for halves, m, k, n, g in (("interleaved", 64, 2880, 768, 4), ("interleaved", 1024, 2880, 768, 4),
+                               ("concatenated", 1024, 1024, 512, 4)):
+        bias = ((g, n), jnp.float32) if halves == "interleaved" else None
+
+        def gated(x, v, s, gs, *b, halves=halves):
+            return pallas_gmm.gmm(x, v, gs, rhs_scales=s, weight_format=fmt_name, generation=generation,
+                                  out_dtype=jnp.bfloat16, glu=pair_gate("gpt_oss", 1.702, 7.0), glu_halves=halves,
+                                  glu_bias=b[0] if b else None)
+
+        aot.compile_for(generation, gated, ((m, k), jnp.bfloat16),
+                        (fmt.values_shape(g, n, k), jnp.dtype(fmt.values_dtype)),
+                        (fmt.scales_shape(g, n, k), jnp.dtype(fmt.scales_dtype)), ((g,), jnp.int32),
+                        *([bias] if bias else []))
