@@ -229,7 +229,7 @@ def _gate_reference(h, halves, bias=None, rows_group=None):
     return g * 0.5 * (1 + np.tanh(0.75 * g)) * (u + 1)  # sigmoid(1.5 g) without overflow
 
 
-# (halves, m, k, 2I, groups, tiling, bias, generation): interleaved halves over
+# (halves, m, k, 2I, groups, tiling (tn: the output tile), bias, generation): interleaved halves over
 # three values tiles of 256 (a partial last one: 2I = 640) with a bias and a
 # group window, and whole ones; concatenated halves in one whole tile; decode
 # rows (fp8's K slices, mxfp4's stacked path); the v4 (grid pipeline) kernel.
@@ -237,7 +237,10 @@ GATED_CASES = [("interleaved", 300, 256, 640, 5, (64, 256, 128), True, "v6e"),
                ("interleaved", 40, 256, 512, 4, None, True, "v6e"),
                ("concatenated", 300, 256, 512, 5, (64, 256, 256), False, "v6e"),
                ("concatenated", 37, 256, 256, 4, None, False, "v6e"),
-               ("interleaved", 300, 256, 640, 5, (64, 256, 128), True, "v4")]
+               ("interleaved", 300, 256, 640, 5, (64, 256, 128), True, "v4"),
+               # concatenated halves over two column tiles, with a bias: int8 only (pallas_gmm's
+               # forward reads each half's tile); fp8 / mxfp4 refuse it (gated_store_tiling)
+               ("concatenated", 300, 256, 512, 5, (64, 256, 128), True, "v6e")]
 
 
 @pytest.mark.parametrize("case", range(len(GATED_CASES)))
@@ -262,13 +265,17 @@ def test_gated_store_matches_float64(fmt_name, case):
                                  jnp.bfloat16).astype(jnp.float32), np.float64)
     bias = rng.standard_normal((local, n)).astype(np.float32) if with_bias else None
     kw = dict(tiling=t, generation=generation, group_offset=offset)
+    glu = dict(out_dtype=jnp.bfloat16, glu=pair_gate("gpt_oss", 1.5, 4.0), glu_halves=halves,
+               glu_bias=None if bias is None else jnp.asarray(bias))
+    if halves == "concatenated" and t is not None and 2 * t[2] < n and fmt_name != "int8":
+        with pytest.raises(ValueError, match=f"glu: the gated store of {fmt_name} weights needs concatenated"):
+            run_gmm(lhs, values, scales, sizes, fmt_name, jnp.bfloat16, **glu, **kw)
+        return
     h = np.asarray(run_gmm(lhs, values, scales, sizes, fmt_name, jnp.bfloat16, out_dtype=jnp.float32, **kw),
                    np.float64)
     assert_matches(h, lhs, w, sizes, jnp.float32 if fmt_name == "int8" else jnp.bfloat16, offset,
                    what=f"{fmt_name} product")
-    got = run_gmm(lhs, values, scales, sizes, fmt_name, jnp.bfloat16, out_dtype=jnp.bfloat16,
-                  glu=pair_gate("gpt_oss", 1.5, 4.0), glu_halves=halves,
-                  glu_bias=None if bias is None else jnp.asarray(bias), **kw)
+    got = run_gmm(lhs, values, scales, sizes, fmt_name, jnp.bfloat16, **glu, **kw)
     assert got.shape == (m, n // 2) and got.dtype == jnp.bfloat16
     starts, ends = reference.bounds(sizes)
     rows_group = np.zeros(m, np.int64)
@@ -284,20 +291,23 @@ def test_gated_store_matches_float64(fmt_name, case):
     assert err <= 1, f"{fmt_name} {GATED_CASES[case]}: error {err:.3g} of the bf16 rounding (seed {SEED})"
 
 
-def test_gated_store_refuses_concatenated_halves_split_over_tiles():
-    """Concatenated halves whose values tile cannot hold all 2I columns: the
-    gate needs both halves in one step (``gated_store_tiling`` says None, the
-    experts program then gates in XLA)."""
+def test_gated_store_tiling_needs_both_halves_in_a_tile():
+    """fp8 / mxfp4 gate a step's own values tile: concatenated halves only
+    when one tile holds all 2I columns, interleaved ones in whole 256-column
+    pairs (``gated_store_tiling``; int8 goes through pallas_gmm's forward,
+    which reads each half's tile)."""
     from ragged_dot_tpu.gmm import pallas_qgmm
 
-    assert pallas_qgmm.gated_store_tiling("int8", "concatenated", 64, 256, 512, 2, lhs_itemsize=2, out_itemsize=2,
+    assert pallas_qgmm.gated_store_tiling("fp8", "concatenated", 64, 256, 512, 2, lhs_itemsize=2, out_itemsize=2,
                                           tiling=(16, 256, 128)) is None
-    assert pallas_qgmm.gated_store_tiling("int8", "interleaved", 64, 256, 512, 2, lhs_itemsize=2, out_itemsize=2,
+    assert pallas_qgmm.gated_store_tiling("fp8", "concatenated", 64, 256, 512, 2, lhs_itemsize=2, out_itemsize=2,
+                                          tiling=(16, 256, 256)).tn == 512
+    assert pallas_qgmm.gated_store_tiling("mxfp4", "interleaved", 64, 256, 512, 2, lhs_itemsize=2, out_itemsize=2,
                                           tiling=(16, 256, 128)).tn == 256
-    lhs, values, scales, sizes = _args("int8", n=512)
-    with pytest.raises(ValueError, match="glu: the gated store of int8 weights needs concatenated halves"):
-        pallas_gmm.gmm(lhs, values, sizes, rhs_scales=scales, weight_format="int8", glu=lambda a, b: a * b,
-                       tiling=(8, 256, 128))
+    assert pallas_qgmm.gated_store_tiling("fp8", "concatenated", 64, 256, 320, 2, lhs_itemsize=2,
+                                          out_itemsize=2) is None  # I = 160: halves not lane aligned
+    with pytest.raises(ValueError, match="this kernel decodes"):
+        pallas_qgmm.gmm_quantized(*_args("int8"), weight_format="int8")
 
 
 @pytest.mark.parametrize("fmt_name", FORMATS)

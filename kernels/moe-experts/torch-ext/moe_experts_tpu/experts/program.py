@@ -144,7 +144,7 @@ def gated_store_applies(x, up_weight, halves, rhs_layout, weight_format, generat
     concatenated 2 x 14336 columns do not fit one)."""
     if not pallas_gmm.glu_supported(up_weight.shape, rhs_layout, halves):
         return False
-    return weight_format is None or pallas_qgmm.gated_store_tiling(
+    return weight_format in (None, *pallas_gmm.DIRECT_FORMATS) or pallas_qgmm.gated_store_tiling(
         weight_format, halves, x.shape[0], x.shape[1], up_weight.shape[1], up_weight.shape[0],
         lhs_itemsize=x.dtype.itemsize, out_itemsize=x.dtype.itemsize, generation=generation) is not None
 

@@ -321,22 +321,25 @@ def prefetches_weights(whole_k: bool, generation: str | None) -> bool:
 
 def _gmm_kernel(
     *refs,  # scalar prefetch (SMEM): the visit arrays (+ weight runs); lhs; rhs (gated, concatenated: gate and
-    # up; in HBM when prefetched); gated: biases; out; scratch: an f32 accumulator per rhs, or the weight buffers
+    # up; in HBM when prefetched); int8: the column scales of each rhs; gated: biases; out; scratch: an f32
+    # accumulator per rhs, or the weight buffers
     tm: int, tk: int, k: int, tiles_k: int, num_segments: int, rhs_layout: str, row_chunk: int, glu=None,
     glu_halves: str | None = None, num_bias: int = 0, valid_cols: int = 0, masked_store: bool = True,
-    prefetch: WeightPrefetch | None = None,
+    prefetch: WeightPrefetch | None = None, column_scales: bool = False,
 ):
     num_scalars = 5 + (3 if prefetch else 0)
     seg_ref, tile_ref, seg_start_ref, seg_end_ref = refs[:4]
     lhs_ref, refs = refs[num_scalars], (refs[5:num_scalars], refs[num_scalars + 1:])
     run_refs, refs = refs
     num_rhs = 2 if glu_halves == "concatenated" else 1
-    rhs_refs, bias_refs = refs[:num_rhs], refs[num_rhs:num_rhs + num_bias]
-    out_ref, acc_refs = refs[num_rhs + num_bias], refs[num_rhs + num_bias + 1:num_rhs + num_bias + 1 + num_rhs]
+    rhs_refs, refs = refs[:num_rhs], refs[num_rhs:]
+    scale_refs, refs = (refs[:num_rhs], refs[num_rhs:]) if column_scales else ((), refs)
+    bias_refs, refs = refs[:num_bias], refs[num_bias:]
+    out_ref, acc_refs = refs[0], refs[1:1 + num_rhs]
     k_rem = k % tk
     whole_k = tiles_k == 1 and k_rem == 0
     if prefetch:
-        bufs, sems = acc_refs, refs[num_rhs + num_bias + 1 + num_rhs]
+        bufs, sems = acc_refs, refs[1 + num_rhs]
         slot = prefetch.fetch(rhs_refs, bufs, sems, *run_refs)
         rhs_refs = [buf.at[slot] for buf in bufs]
     # Split K, interleaved halves: the gate and selection per live row chunk, into act_ref.
@@ -350,6 +353,8 @@ def _gmm_kernel(
 
     def finish(products):
         """The stored value: the product, or the gate applied to both halves' products."""
+        # int8 weights: the f32 product times each output column's scale (exact products)
+        products = [p * sc[...] for p, sc in zip(products, scale_refs)] or products
         if glu is None:
             return products[0]
         products = [p + b[...].astype(jnp.float32) for p, b in zip(products, bias_refs)] or products
@@ -505,14 +510,20 @@ def gmm(
     2I]`` product never reaches HBM. Rows outside the local groups are
     zeros. ``tiling``'s ``tn`` is the output tile: a step reads ``tn``
     columns of each half."""
-    if weight_format is not None:
+    if weight_format in DIRECT_FORMATS:
+        # int8 goes into the dot as it is (Mosaic converts it, exactly, on its way
+        # into the MXU), its column scale on the f32 product: this kernel as is.
+        from . import quantized
+
+        quantized.check_quantized_gmm_args(lhs, rhs, rhs_scales, weight_format, rhs_layout)
+    elif weight_format is not None:
         from . import pallas_qgmm  # imports this module: a late import
 
         return pallas_qgmm.gmm_quantized(
             lhs, rhs, rhs_scales, group_sizes, weight_format=weight_format, rhs_layout=rhs_layout,
             group_offset=group_offset, out_dtype=out_dtype, tiling=tiling, generation=generation,
             interpret=interpret, glu=glu, glu_halves=glu_halves, glu_bias=glu_bias)
-    if rhs_scales is not None:
+    elif rhs_scales is not None:
         raise ValueError("rhs_scales given without weight_format (one of 'int8', 'fp8', 'mxfp4')")
     m, k = lhs.shape
     num_local = rhs.shape[0]
@@ -547,7 +558,8 @@ def gmm(
     num_segments = num_local + 2
 
     lhs_spec = pl.BlockSpec((tm, tk), lambda n_i, v, k_i, seg, tile, *_: (tile[v], k_i))
-    operands, bias_specs = [rhs], []
+    # Per output column, laid out like rhs's columns: int8 scales, the gate's biases.
+    column_vectors = [x for x in ((rhs_scales if weight_format in DIRECT_FORMATS else None), glu_bias) if x is not None]
     if concatenated:
         # [G, 2, I, K]: a free view of [G, 2I, K] (I a multiple of the sublane
         # tile, ``check_glu_args``); one spec per half, the same column tile.
@@ -555,22 +567,23 @@ def gmm(
         rhs_specs = [pl.BlockSpec((pl.Squeezed(), pl.Squeezed(), tn, tk),
                                   lambda n_i, v, k_i, seg, tile, starts, ends, group, *_, h=h: (group[v], h, n_i, k_i))
                      for h in range(2)]
-        if glu_bias is not None:
-            operands += [glu_bias.reshape(num_local, 2, 1, n)] * 2
-            bias_specs = [pl.BlockSpec((pl.Squeezed(), pl.Squeezed(), 1, tn),
-                                       lambda n_i, v, k_i, seg, tile, starts, ends, group, *_, h=h: (group[v], h, 0, n_i))
-                          for h in range(2)]
+        for x in column_vectors:
+            operands += [x.reshape(num_local, 2, 1, n)] * 2
+        column_specs = [pl.BlockSpec((pl.Squeezed(), pl.Squeezed(), 1, tn),
+                                     lambda n_i, v, k_i, seg, tile, starts, ends, group, *_, h=h: (group[v], h, 0, n_i))
+                        for h in range(2)] * len(column_vectors)
     else:
+        operands = [rhs] + [x.reshape(num_local, 1, n * (tn_rhs // tn)) for x in column_vectors]
         if rhs_layout == "nk":
             rhs_specs = [pl.BlockSpec((pl.Squeezed(), tn_rhs, tk),
                                       lambda n_i, v, k_i, seg, tile, starts, ends, group, *_: (group[v], n_i, k_i))]
         else:
             rhs_specs = [pl.BlockSpec((pl.Squeezed(), tk, tn_rhs),
                                       lambda n_i, v, k_i, seg, tile, starts, ends, group, *_: (group[v], k_i, n_i))]
-        if glu_bias is not None:
-            operands.append(glu_bias.reshape(num_local, 1, 2 * n))
-            bias_specs = [pl.BlockSpec((pl.Squeezed(), 1, tn_rhs),
-                                       lambda n_i, v, k_i, seg, tile, starts, ends, group, *_: (group[v], 0, n_i))]
+        column_specs = [pl.BlockSpec((pl.Squeezed(), 1, tn_rhs),
+                                     lambda n_i, v, k_i, seg, tile, starts, ends, group, *_: (group[v], 0, n_i))
+                        ] * len(column_vectors)
+    bias_specs = column_specs[len(column_specs) - (len(rhs_specs) if glu_bias is not None else 0):]
     out_spec = pl.BlockSpec((tm, tn), lambda n_i, v, k_i, seg, tile, *_: (tile[v], n_i))
 
     # A whole-K step stores each row chunk's product directly: no accumulators.
@@ -593,7 +606,7 @@ def gmm(
         row_chunk=tiling_lib.row_chunk(tm, generation), glu=glu,
         glu_halves=glu_halves if glu is not None else None, num_bias=len(bias_specs),
         valid_cols=2 * n if glu is not None and not concatenated and n % tn else 0,
-        masked_store=not interpret, prefetch=prefetch,
+        masked_store=not interpret, prefetch=prefetch, column_scales=weight_format in DIRECT_FORMATS,
     )
     # What the kernel reads, as XLA schedules around it: M rows touch at most
     # M experts (decode: 8 of 128), not every expert of rhs.
@@ -610,7 +623,7 @@ def gmm(
     # The VMEM limit of the tiles' bytes: a gated step holds both halves' tiles.
     vmem_tiles = tiling_lib.Tiling(tm, tk, tn if glu is None else 2 * tn)
     call = _visits_call(kernel, out_struct((m, n), out_dtype, lhs, rhs, group_sizes),
-                        (tiles_n, num_visits, tiles_k), [lhs_spec, *rhs_specs, *bias_specs],
+                        (tiles_n, num_visits, tiles_k), [lhs_spec, *rhs_specs, *column_specs],
                         out_spec, (tm, tn_rhs if glu is not None and not concatenated else tn),
                         ("arbitrary" if prefetch else "parallel", "arbitrary", "arbitrary"), cost,
                         f"ragged_dot_gmm_{'glu' if glu is not None else rhs_layout}", generation, interpret,
@@ -621,6 +634,8 @@ def gmm(
     return call(*scalars, lhs, *operands)
 
 
+# Quantized formats this kernel reads as they are (the others: ``pallas_qgmm``).
+DIRECT_FORMATS = ("int8",)
 GLU_HALVES = ("concatenated", "interleaved")
 # Rows of each concatenated half: a multiple of 16, so that [G, 2, I, K] is a
 # free view of [G, 2I, K] in any dtype of at least 16 bits.

@@ -1,4 +1,4 @@
-"""The grouped matmul forward with quantized weights (int8, fp8, mxfp4).
+"""The grouped matmul forward with quantized weights that need decoding (fp8, mxfp4).
 
 ``gmm_quantized(lhs, values, scales, group_sizes, weight_format=...)`` is
 ``pallas_gmm.gmm`` on ``dequantize(values, scales)``: the same visits (row
@@ -13,11 +13,13 @@ across the consecutive visits of one group (a group of 2048 rows in 512-row
 tiles is dequantized once, not four times; ``dequantizing_visits``). Per
 format:
 
-* int8: no dequantized copy: the int8 tile goes into the dot as it is
-  (Mosaic converts it, exactly, on its way into the MXU) and the
-  per-output-channel scale multiplies the f32 accumulator columns once, at
-  the store (exact products). Estimated on v6e, Qwen3-30B-A3B 8 tokens:
-  153 us, against 200 us when the kernel dequantized the tile itself.
+* int8 is not read here: its tile goes into the dot as it is (Mosaic
+  converts it, exactly, on its way into the MXU) and its per-output-column
+  scale multiplies the f32 product, so ``pallas_gmm``'s forward reads it
+  (``pallas_gmm.DIRECT_FORMATS``) with all of that kernel's store paths
+  (no accumulator at whole K, the gate on both halves' layouts). Estimated
+  v6e, the layer at 4096 tokens, this kernel -> that one: Qwen3-30B-A3B
+  1106 -> 1024 us, gpt-oss-20b 2056 -> 1793, Mixtral-8x7B 5019 -> 4072.
 * fp8 at decode (``tiling.fp8_sliced``): no dequantized copy. Per 128-wide
   K slice the e4m3 tile goes into the MXU dot as it is (Mosaic pushes the
   bytes as e4m3b11 on v5e / v5p / v6e / tpu7x, ``FP8_MXU_GENERATIONS``; v4
@@ -79,9 +81,9 @@ it with [low nibbles | high nibbles]: the same sum.
 Weight tiles: with K whole on a one-TensorCore chip (v5e, v6e, tpu7x) the
 kernel moves its value tiles itself, a run of visits ahead
 (``pallas_gmm.WeightPrefetch``, as the bf16 forward does); the scales stay
-on the grid's pipeline. Estimated v6e, Qwen3-30B-A3B 4096 tokens, int8 down
-projection 491 -> 415 us (the grid's one-step-ahead fetch of a new group's
-tile stalled the MXU), up 671 -> 610.
+on the grid's pipeline. Estimated v6e, Qwen3-30B-A3B 4096 tokens, int8 (when
+this kernel read it) down projection 491 -> 415 us (the grid's
+one-step-ahead fetch of a new group's tile stalled the MXU), up 671 -> 610.
 
 The gated up projection (``gmm(glu=)``, as for bf16 weights): the gate (and
 the up bias) applied at the store to the f32 product of the step's values
@@ -90,9 +92,11 @@ only its own columns, so the halves must lie in one tile
 (``gated_store_tiling``): gpt-oss's interleaved halves in any tile of whole
 256-column pairs, concatenated halves when one tile spans all 2I columns
 (Qwen3-30B-A3B's 1536; not Mixtral-8x7B's 28672, whose gate stays an XLA
-pass). Estimated v6e, gpt-oss-20b 4096 tokens int8, the layer: 3281 -> 2128
+pass). Estimated v6e, gpt-oss-20b 4096 tokens, the layer: fp8 4380 -> 3106
 us (the XLA gate over the f32 [16384, 5760] product, its interleaved halves
-read by strided lane slices, cost 1460 us; the store's gate 305).
+read by strided lane slices, cost 1460 us; the store's gate ~200). At 512
+tokens the XLA gate is cheap (57 us) and the store's costs more (fp8 1708 ->
+1739 us): not worth a rule of its own yet.
 """
 
 from __future__ import annotations
@@ -111,6 +115,7 @@ from . import quantized, tiling as tiling_lib
 from .pallas_gmm import (WeightBlock, WeightPrefetch, _gate_interleaved, check_glu_args, forward_visits,
                          prefetches_weights, store_chunk_rows, store_visit_rows, weight_runs)
 
+DECODED_FORMATS = ("fp8", "mxfp4")
 FP8_BLOCK = quant_formats.FORMATS["fp8"].block_k  # 128 (both dims)
 MXFP4_BLOCK = quant_formats.FORMATS["mxfp4"].block_k  # 32 values, 16 packed bytes
 # Weight rows dequantized at a time (a multiple of the 32-row native tile of
@@ -217,16 +222,13 @@ def _fp8_sliced_dot(x, values_ref, slice_scales, k_i, *, tk, k, e4m3_into_mxu):
     return total
 
 
-def _dequantize_int8_or_fp8(values_ref, expanded_ref, wq_ref, *, weight_format, tn, tk, valid):
+def _dequantize_fp8(values_ref, expanded_ref, wq_ref, *, tn, tk, valid):
     def block(rows):
-        if weight_format == "fp8":
-            # ROW_BLOCK divides 128: the rows share one 128-row group's scales.
-            # (lax.div: a traced // lowers through sign, which Mosaic cannot lower off a TPU host)
-            s_row = expanded_ref[pl.ds(lax.div(rows.start, FP8_BLOCK), 1), :]  # [1, tk]
+        # ROW_BLOCK divides 128: the rows share one 128-row group's scales.
+        # (lax.div: a traced // lowers through sign, which Mosaic cannot lower off a TPU host)
+        s_row = expanded_ref[pl.ds(lax.div(rows.start, FP8_BLOCK), 1), :]  # [1, tk]
         for c0, width in _column_chunks(tk):
-            w = values_ref[rows, c0:c0 + width].astype(jnp.float32)
-            if weight_format == "fp8":
-                w = w * s_row[:, c0:c0 + width]
+            w = values_ref[rows, c0:c0 + width].astype(jnp.float32) * s_row[:, c0:c0 + width]
             if valid is not None:
                 w = _mask_cols(w, c0, valid)
             wq_ref[rows, c0:c0 + width] = w.astype(wq_ref.dtype)
@@ -469,18 +471,14 @@ def _qgmm_kernel(
             _dequantize_mxfp4(values_ref, scales_ref, wq_ref, tn=tn, tk=tk, half=half, valid=valid)
         else:
             _expand_fp8_scales(scales_ref, expanded_ref[0], n_i, k_i, tn=tn, tk=tk, tiles_n=tiles_n)
-            _dequantize_int8_or_fp8(values_ref, expanded_ref[0], wq_ref, weight_format=weight_format,
-                                    tn=tn, tk=tk, valid=valid)
+            _dequantize_fp8(values_ref, expanded_ref[0], wq_ref, tn=tn, tk=tk, valid=valid)
 
-    if weight_format != "int8":
-        pl.when(dequantize_ref[v] == 1)(_dequantize)
+    pl.when(dequantize_ref[v] == 1)(_dequantize)
 
     def accumulate(rows):
         x = lhs_ref[rows, :]
         if valid is not None and weight_format != "mxfp4":  # mxfp4's lhs is zero-padded
             x = zero_past(x, 1, valid)
-        # int8 goes into the dot as it is (exact in bf16; Mosaic converts it
-        # on the way into the MXU): no dequantized copy in VMEM.
         if fp8_sliced:
             acc_ref[rows, :] += _fp8_sliced_dot(x, values_ref, expanded_ref[0], k_i, tk=tk, k=k,
                                                   e4m3_into_mxu=e4m3_into_mxu)
@@ -489,8 +487,7 @@ def _qgmm_kernel(
             acc_ref[rows, :] += _mxfp4_stacked_dot(x, values_ref, expanded_ref[0], packed_cols=tk // 2,
                                                    half=half)
             return
-        w = values_ref[...] if weight_format == "int8" else wq_ref[...]
-        acc_ref[rows, :] += dot_f32(x, w, 1, 1)
+        acc_ref[rows, :] += dot_f32(x, wq_ref[...], 1, 1)
 
     def accumulate_few_rows(rows, first, count):
         acc_ref[rows, :] += _mxfp4_few_rows_dot(lhs_ref[rows, :], first, count, values_ref, expanded_ref[0],
@@ -508,20 +505,12 @@ def _qgmm_kernel(
             live = live & (live_rows > few_rows[-1][1])
         pl.when(live)(functools.partial(accumulate, rows))
 
-    def product():
-        value = acc_ref[...]
-        if weight_format == "int8":
-            value = value * scales_ref[...]  # [1, tn]: one scale per output column
-        return value
-
     if glu is None:
-        pl.when(k_i == tiles_k - 1)(lambda: store_visit_rows(out_ref, product(), v, tile_ref, tm, start, end))
+        pl.when(k_i == tiles_k - 1)(lambda: store_visit_rows(out_ref, acc_ref[...], v, tile_ref, tm, start, end))
         return
 
     def store_gated_chunk(c, rows):
         value = acc_ref[rows, :]
-        if weight_format == "int8":
-            value = value * scales_ref[...]
         if bias_ref is not None:
             value = value + bias_ref[...].astype(jnp.float32)
         if glu_halves == "concatenated":  # the step's tile holds both whole halves
@@ -577,6 +566,9 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
     docstring); with ``glu``, the gated up projection of ``pallas_gmm.gmm``
     (``[M, n / 2]`` activations), where ``gated_store_tiling`` allows it."""
     quantized.check_quantized_gmm_args(lhs, values, scales, weight_format, rhs_layout)
+    if weight_format not in DECODED_FORMATS:
+        raise ValueError(f"weight_format: this kernel decodes {DECODED_FORMATS}, got {weight_format!r} "
+                         "(int8: pallas_gmm.gmm reads it as it is)")
     m, k = lhs.shape
     num_local, n = values.shape[:2]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
@@ -630,17 +622,13 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
         scales = scales_t
         scales_spec = pl.BlockSpec((pl.Squeezed(), *scales.shape[1:]),
                                    lambda n_i, v, k_i, s, tl, a, b, g, *_: (g[v], 0, 0))
-    elif weight_format == "fp8":
+    else:
         values_block = (pl.Squeezed(), tn, tk)
         blocks_n = tiles_n * cdiv(tn, FP8_BLOCK)
         if scales.shape[1] < blocks_n:  # a partial last column tile reads whole blocks of scale rows
             scales = jnp.pad(scales, ((0, 0), (0, blocks_n - scales.shape[1]), (0, 0)))
         scales_spec = pl.BlockSpec((pl.Squeezed(), *scales.shape[1:]),
                                    lambda n_i, v, k_i, s, tl, a, b, g, *_: (g[v], 0, 0))
-    else:
-        values_block = (pl.Squeezed(), tn, tk)
-        scales = scales.reshape(num_local, 1, n)
-        scales_spec = pl.BlockSpec((pl.Squeezed(), 1, tn), lambda n_i, v, k_i, s, tl, a, b, g, *_: (g[v], 0, n_i))
     lhs_spec = pl.BlockSpec((tm, tkw), lambda n_i, v, k_i, s, tl, *_: (tl[v], k_i))
     values_spec = pl.BlockSpec(values_block, lambda n_i, v, k_i, s, tl, a, b, g, *_: (g[v], n_i, k_i))
     out_spec = pl.BlockSpec((tm, tn_out), lambda n_i, v, k_i, s, tl, *_: (tl[v], n_i))
@@ -683,7 +671,7 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
             num_scalar_prefetch=len(scalars), grid=(tiles_n, num_visits, tiles_k),
             in_specs=[lhs_spec, values_spec, scales_spec, *bias_specs], out_specs=out_spec,
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32),
-                            pltpu.VMEM((8, 128) if weight_format == "int8" or fp8_sliced or mxfp4_stacked
+                            pltpu.VMEM((8, 128) if fp8_sliced or mxfp4_stacked
                                        else (tn, tkw), lhs.dtype)]
             + ([pltpu.VMEM((scales.shape[1], tn), jnp.float32)] if fp8_sliced else
                [pltpu.VMEM((-(-(tk // MXFP4_BLOCK) // 8) * 8, tn), jnp.float32)] if mxfp4_stacked else
