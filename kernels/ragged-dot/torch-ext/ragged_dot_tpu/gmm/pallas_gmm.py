@@ -497,9 +497,11 @@ def gmm(
 
     ``weight_format`` ("int8", "fp8", "mxfp4": ``common.quant_formats``)
     makes ``rhs`` that format's values ("nk" only) and ``rhs_scales`` its
-    scales: the kernel of ``pallas_qgmm``, whose arguments are checked
-    (``glu`` too, where ``pallas_qgmm.gated_store_tiling`` allows it; else a
-    ValueError).
+    scales, checked: int8 runs in this kernel (``DIRECT_FORMATS``: the int8
+    tile into the dot, ``rhs_scales [G, N]`` on the f32 product, the
+    quantized tile rule ``tiling.choose_quantized_tiling``), fp8 / mxfp4 in
+    ``pallas_qgmm``'s (``glu`` there where ``pallas_qgmm.gated_store_tiling``
+    allows it; else a ValueError).
 
     ``glu``: the gated up projection of an MLP. ``rhs`` holds ``2I`` output
     features, a gate half and an up half, ``glu_halves`` "concatenated" (the
@@ -592,7 +594,7 @@ def gmm(
         column_specs = [pl.BlockSpec((pl.Squeezed(), 1, tn_rhs),
                                      lambda n_i, v, k_i, seg, tile, starts, ends, group, *_: (group[v], 0, n_i))
                         ] * len(column_vectors)
-    bias_specs = column_specs[len(column_specs) - (len(rhs_specs) if glu_bias is not None else 0):]
+    num_bias = len(rhs_specs) if glu_bias is not None else 0  # the last column vectors' specs
     out_spec = pl.BlockSpec((tm, tn), lambda n_i, v, k_i, seg, tile, *_: (tile[v], n_i))
 
     # A whole-K step stores each row chunk's product directly: no accumulators.
@@ -613,7 +615,7 @@ def gmm(
         _gmm_kernel, tm=tm, tk=tk, k=k, tiles_k=tiles_k,
         num_segments=num_segments, rhs_layout=rhs_layout,
         row_chunk=tiling_lib.row_chunk(tm, generation), glu=glu,
-        glu_halves=glu_halves if glu is not None else None, num_bias=len(bias_specs),
+        glu_halves=glu_halves if glu is not None else None, num_bias=num_bias,
         valid_cols=2 * n if glu is not None and not concatenated and n % tn else 0,
         masked_store=not interpret, prefetch=prefetch, column_scales=weight_format in DIRECT_FORMATS,
     )
