@@ -27,10 +27,11 @@ bench/bench_experts.py: equal at decode, 1.1x at 1024 tokens, 1.4x at 4096).
 Quantized weights (``weight_format`` "int8" | "fp8" | "mxfp4", values in
 ``up_weight`` / ``down_weight`` stored "nk", scales in ``up_scales`` /
 ``down_scales``: ``common.quant_formats``) always take the two grouped
-matmuls (``pallas_qgmm``: each weight tile dequantized in VMEM), the gate at
-the up projection's store where both halves of a column tile are in one
-step (``gated_store_applies``: gpt-oss, Qwen3-30B-A3B; not Mixtral-8x7B);
-the fused kernel reads bf16 / f32 weights only. Activations stay in the
+matmuls (int8 in ``pallas_gmm``'s kernel as it is, fp8 / mxfp4 decoded in
+VMEM by ``pallas_qgmm``), the gate at the up projection's store where
+``gated_store_applies`` (int8 always; fp8 / mxfp4 where both halves of a
+column tile are in one step: gpt-oss, Qwen3-30B-A3B, not Mixtral-8x7B); the
+fused kernel reads bf16 / f32 weights only. Activations stay in the
 hidden states' dtype (bf16, or f32 for f32 hidden states).
 
 The gate is named, not traced from the module, because a JAX program cannot
