@@ -135,19 +135,45 @@ def test_forward_multi_tile_with_tails(layout):
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 @pytest.mark.parametrize("kind", ["random", "with_zeros", "one_huge"])
 @pytest.mark.parametrize("generation,tm,chunk", [("v6e", 512, 256), ("v5e", 256, 128)])
-def test_forward_row_chunks(layout, kind, generation, tm, chunk):
+@pytest.mark.parametrize("whole_k,dtype", [(False, jnp.float32), (True, jnp.float32), (True, jnp.bfloat16)])
+def test_forward_row_chunks(layout, kind, generation, tm, chunk, whole_k, dtype):
     """Row tiles of several row chunks: a visit computes only the chunks
-    holding its group's rows, with a K tail and a local group window, so
-    skipped chunks must still come out right."""
+    holding its group's rows, with a local group window, so skipped chunks
+    must still come out right. Split K (a K tail): tile-aligned chunks into
+    the accumulator; whole K: chunks from the group's first row, half
+    chunks and chunks moved back inside the tile (``visit_row_chunks``),
+    stored straight into the output block."""
     from ragged_dot_tpu.gmm import tiling
 
     assert tiling.row_chunk(tm, generation) == chunk
-    rng = np.random.default_rng([SEED, 11, KINDS.index(kind), layout == "nk", tm])
+    rng = np.random.default_rng([SEED, 11, KINDS.index(kind), layout == "nk", tm, whole_k, dtype == jnp.float32])
     m, k, n, g = 700, 200, 136, 7
-    lhs, rhs, sizes = _inputs(rng, m, k, n, g, kind, layout, jnp.float32, 5, 1)
-    out = _gmm(lhs, rhs, sizes, layout, jnp.float32, group_offset=1, tiling=(tm, 128, 136), generation=generation)
+    lhs, rhs, sizes = _inputs(rng, m, k, n, g, kind, layout, dtype, 5, 1)
+    out = _gmm(lhs, rhs, sizes, layout, dtype, group_offset=1, tiling=(tm, k if whole_k else 128, 136),
+               generation=generation, out_dtype=jnp.float32)
     want = reference.ragged_dot(lhs, rhs, sizes, layout, group_offset=1)
-    _assert_close(out, want, jnp.float32, k, f"gmm row chunks sizes={sizes.tolist()}")
+    _assert_close(out, want, dtype, k, f"gmm row chunks sizes={sizes.tolist()}")
+
+
+@pytest.mark.parametrize("tm,chunk", [(512, 256), (256, 128), (512, 128)])
+def test_visit_row_chunks_cover_the_visit_once_in_halves(tm, chunk):
+    """Every rows range ``[lo, hi)`` meeting a tile (also reaching past it):
+    the live chunks lie inside the tile, cover the range's rows in it, never
+    overlap, and leave no half chunk without a row of the range."""
+    from ragged_dot_tpu.gmm.pallas_gmm import visit_row_chunks
+
+    half = chunk // 2
+    for lo in range(-5, tm, 3):
+        for hi in range(max(lo, 0) + 1, tm + 8, 5):
+            runs = np.zeros(tm, int)
+            for size, first, live in visit_row_chunks(tm, chunk, lo, hi):
+                assert 0 <= first and first + size <= tm and size in (chunk, half)
+                if live:
+                    runs[first:first + size] += 1
+            assert (runs[max(lo, 0):hi] == 1).all(), (lo, hi)
+            assert (runs <= 1).all(), (lo, hi)
+            for h in range(0, tm, half):  # a computed half holds a row of the range
+                assert not runs[h] or (h < hi and h + half > lo), (lo, hi, h)
 
 
 @pytest.mark.parametrize("layout", ["nk", "kn"])

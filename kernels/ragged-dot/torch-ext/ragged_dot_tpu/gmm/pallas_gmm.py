@@ -202,6 +202,24 @@ def store_chunk_rows(out_ref, rows: pl.ds, value, first_row, start, end, masked_
         out_ref[rows, :] = jnp.where(mine, value, out_ref[rows, :])
 
 
+def visit_row_chunks(tm: int, chunk: int, lo, hi):
+    """The row chunks a whole-K visit computes to cover its rows ``[lo, hi)``
+    of the row tile: ``(size, first, live)``, ``first`` the chunk's first row
+    in the tile (static), ``live`` whether it runs. Per ``chunk`` rows of the
+    tile, the whole chunk where both of its halves hold rows of the visit,
+    else only the half that does: a group whose boundary falls inside a
+    chunk pays half a chunk there, not a whole one (at most one of the three
+    runs)."""
+    half = chunk // 2
+    chunks = []
+    for first in range(0, tm, chunk):
+        low = (first < hi) & (first + half > lo)  # the chunk's first half holds rows of the visit
+        high = (first + half < hi) & (first + chunk > lo)
+        chunks += [(chunk, first, low & high), (half, first, low & jnp.logical_not(high)),
+                   (half, first + half, high & jnp.logical_not(low))]
+    return chunks
+
+
 # ----------------------------------------------------------------------------
 # Forward: out[rows of g] = lhs[rows of g] @ rhs[g]
 # ----------------------------------------------------------------------------
@@ -351,6 +369,12 @@ def _gmm_kernel(
     w_contract = 1 if rhs_layout == "nk" else 0
     start, end = seg_start_ref[seg], seg_end_ref[seg]
 
+    def visit_chunks():
+        """``visit_row_chunks`` of this visit; a tile of one chunk runs whole."""
+        if row_chunk == tm:
+            return [(tm, 0, True)]
+        return visit_row_chunks(tm, row_chunk, start - tile_ref[v] * tm, end - tile_ref[v] * tm)
+
     def finish(products):
         """The stored value: the product, or the gate applied to both halves' products."""
         # int8 weights: the f32 product times each output column's scale (exact products)
@@ -370,13 +394,10 @@ def _gmm_kernel(
         # every row of a tile belongs to exactly one visit's segment, and a
         # visit writes only its own rows (a masked store), so the block is
         # whole when the tile's last visit ends.
-        for c in range(tm // row_chunk):
-            rows = pl.ds(c * row_chunk, row_chunk)
-            first_row = tile_ref[v] * tm + c * row_chunk
-            live = is_local & (first_row < end) & (first_row + row_chunk > start)
+        for size, first, live in visit_chunks():
 
-            @pl.when(live)
-            def _compute(rows=rows, first_row=first_row):
+            @pl.when(is_local & live)
+            def _compute(rows=pl.ds(first, size), first_row=tile_ref[v] * tm + first):
                 x = lhs_ref[rows, :]
                 value = finish([dot_f32(x, r[...], 1, w_contract) for r in rhs_refs])
                 store_chunk_rows(out_ref, rows, value, first_row, start, end, masked_store)
@@ -402,20 +423,19 @@ def _gmm_kernel(
                 w = zero_past(w, w_contract, k - k_i * tk)
             acc_ref[rows, :] += dot_f32(x, w, 1, w_contract)
 
-    # Only the row chunks holding rows of the visit's segment are computed:
-    # a tile shared by two groups costs each about its own rows, not a whole
-    # tile (the rows of skipped chunks stay zero and are masked at the store).
+    # Only the row chunks holding rows of the visit's segment are computed
+    # (``visit_row_chunks``): a tile shared by two groups costs each about
+    # its own rows, not a whole tile (the rows of skipped chunks stay zero and
+    # are masked at the store).
     chunks = []
-    for c in range(tm // row_chunk):
-        rows = slice(c * row_chunk, (c + 1) * row_chunk)
-        first_row = tile_ref[v] * tm + c * row_chunk
-        live = is_local & (first_row < end) & (first_row + row_chunk > start)
-        chunks.append((rows, live))
+    for size, first, live in visit_chunks():
+        rows = slice(first, first + size)
+        chunks.append((rows, is_local & live))
         if k_rem == 0:
-            pl.when(live)(functools.partial(accumulate, rows, False))
+            pl.when(is_local & live)(functools.partial(accumulate, rows, False))
         else:
-            pl.when(live & (k_i < tiles_k - 1))(functools.partial(accumulate, rows, False))
-            pl.when(live & (k_i == tiles_k - 1))(functools.partial(accumulate, rows, True))
+            pl.when(is_local & live & (k_i < tiles_k - 1))(functools.partial(accumulate, rows, False))
+            pl.when(is_local & live & (k_i == tiles_k - 1))(functools.partial(accumulate, rows, True))
 
     def gate_chunk(rows):
         act_ref[rows, :] = finish([acc_ref[rows, :] for acc_ref in acc_refs])
