@@ -384,7 +384,7 @@ def _gmm_kernel(
         products = [p + b[...].astype(jnp.float32) for p, b in zip(products, bias_refs)] or products
         if glu_halves == "concatenated":
             return glu(*products)
-        return _gate_interleaved(products[0], glu, out_ref.dtype, pl.program_id(0), valid_cols)
+        return gate_interleaved(products[0], glu, out_ref.dtype, pl.program_id(0), valid_cols)
 
     if whole_k:
         # One whole-K step: each live row chunk's product (gated, if so) goes
@@ -462,7 +462,7 @@ def _gmm_kernel(
         store_visit_rows(out_ref, jnp.zeros(out_ref.shape, jnp.float32), v, tile_ref, tm, start, end)
 
 
-def _gate_interleaved(p, glu, dtype, n_i, valid_cols: int):
+def gate_interleaved(p, glu, dtype, n_i, valid_cols: int):
     """``glu(p[:, 0::2], p[:, 1::2])`` of an f32 ``[rows, 2w]`` product whose
     gate and up columns alternate (gpt-oss), as ``[rows, w]``: the gate on
     every column paired with its right neighbour (a lane rotation), then the

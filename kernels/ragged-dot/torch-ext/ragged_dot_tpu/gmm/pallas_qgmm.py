@@ -112,7 +112,7 @@ from ..common import quant_formats
 from ..common.pallas_helpers import compiler_params, dot_f32, out_struct, zero_past
 from ..common.tile_math import cdiv
 from . import quantized, tiling as tiling_lib
-from .pallas_gmm import (WeightBlock, WeightPrefetch, _gate_interleaved, check_glu_args, forward_visits,
+from .pallas_gmm import (WeightBlock, WeightPrefetch, gate_interleaved, check_glu_args, forward_visits,
                          prefetches_weights, store_chunk_rows, store_visit_rows, weight_runs)
 
 DECODED_FORMATS = ("fp8", "mxfp4")
@@ -517,7 +517,7 @@ def _qgmm_kernel(
             half_width = value.shape[1] // 2
             gated = glu(value[:, :half_width], value[:, half_width:])
         else:
-            gated = _gate_interleaved(value, glu, out_ref.dtype, n_i, valid_cols)
+            gated = gate_interleaved(value, glu, out_ref.dtype, n_i, valid_cols)
         store_chunk_rows(out_ref, pl.ds(rows.start, row_chunk), gated, tile_ref[v] * tm + c * row_chunk, start, end,
                          masked_store)
 
