@@ -134,15 +134,15 @@ def test_forward_multi_tile_with_tails(layout):
 
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 @pytest.mark.parametrize("kind", ["random", "with_zeros", "one_huge"])
-@pytest.mark.parametrize("generation,tm,chunk", [("v6e", 512, 256), ("v5e", 256, 128)])
+@pytest.mark.parametrize("generation,tm,chunk", [("v6e", 512, 256), ("v5e", 256, 128), ("tpu7x", 256, 256)])
 @pytest.mark.parametrize("whole_k,dtype", [(False, jnp.float32), (True, jnp.float32), (True, jnp.bfloat16)])
 def test_forward_row_chunks(layout, kind, generation, tm, chunk, whole_k, dtype):
     """Row tiles of several row chunks: a visit computes only the chunks
-    holding its group's rows, with a local group window, so skipped chunks
-    must still come out right. Split K (a K tail): tile-aligned chunks into
-    the accumulator; whole K: chunks from the group's first row, half
-    chunks and chunks moved back inside the tile (``visit_row_chunks``),
-    stored straight into the output block."""
+    holding its group's rows, or the half of a chunk that does
+    (``visit_row_chunks``), with a local group window, so skipped chunks and
+    halves must still come out right: split K (a K tail) into the
+    accumulator, whole K stored straight into the output block; tpu7x's
+    256-row tile is one chunk, run as halves too."""
     from ragged_dot_tpu.gmm import tiling
 
     assert tiling.row_chunk(tm, generation) == chunk
@@ -155,7 +155,7 @@ def test_forward_row_chunks(layout, kind, generation, tm, chunk, whole_k, dtype)
     _assert_close(out, want, dtype, k, f"gmm row chunks sizes={sizes.tolist()}")
 
 
-@pytest.mark.parametrize("tm,chunk", [(512, 256), (256, 128), (512, 128)])
+@pytest.mark.parametrize("tm,chunk", [(512, 256), (256, 128), (512, 128), (256, 256)])
 def test_visit_row_chunks_cover_the_visit_once_in_halves(tm, chunk):
     """Every rows range ``[lo, hi)`` meeting a tile (also reaching past it):
     the live chunks lie inside the tile, cover the range's rows in it, never

@@ -202,6 +202,12 @@ def store_chunk_rows(out_ref, rows: pl.ds, value, first_row, start, end, masked_
         out_ref[rows, :] = jnp.where(mine, value, out_ref[rows, :])
 
 
+# A row tile without row chunks (``tiling.row_chunk``: tpu7x's 256 rows) of
+# at least this many rows still runs as halves where a group boundary falls
+# inside it (``visit_row_chunks``); smaller tiles (decode) run whole.
+MIN_HALVED_TILE = 256
+
+
 def visit_row_chunks(tm: int, chunk: int, lo, hi):
     """The row chunks a whole-K visit computes to cover its rows ``[lo, hi)``
     of the row tile: ``(size, first, live)``, ``first`` the chunk's first row
@@ -370,8 +376,9 @@ def _gmm_kernel(
     start, end = seg_start_ref[seg], seg_end_ref[seg]
 
     def visit_chunks():
-        """``visit_row_chunks`` of this visit; a tile of one chunk runs whole."""
-        if row_chunk == tm:
+        """``visit_row_chunks`` of this visit; a tile of one chunk (no row
+        chunks) below ``MIN_HALVED_TILE`` rows runs whole."""
+        if row_chunk == tm and tm < MIN_HALVED_TILE:
             return [(tm, 0, True)]
         return visit_row_chunks(tm, row_chunk, start - tile_ref[v] * tm, end - tile_ref[v] * tm)
 
