@@ -909,18 +909,29 @@ def test_backward_over_key_blocks_with_a_tail(dq_kernel):
 
 def test_backward_compute_blocks_rule_and_checks():
     size = blocks.BACKWARD_COMPUTE_BLOCK
-    # bf16 head_dim 128: 2048 blocks in 1024 sub-tiles where they fit (not v4's
-    # 12 MiB budget); float32, a window and short lengths keep the smaller blocks.
+    # 2048 blocks in 1024 sub-tiles where they fit the large budget (bf16 and
+    # float32 head_dim 128, bf16 up to 512 on v6e; not v4's 12 MiB); a window
+    # and lengths 1024 does not divide (1500: sub-tiles of all rows) keep the
+    # smaller blocks.
     assert blocks.choose_backward_blocks(32768, 8192, generation="v6e") == (blocks.BACKWARD_BLOCK,) * 2
-    assert blocks.choose_backward_blocks(32768, 8192, itemsize=4, generation="v6e") == (size, size)
+    assert blocks.choose_backward_blocks(32768, 8192, itemsize=4, generation="v6e") == (blocks.BACKWARD_BLOCK,) * 2
+    assert blocks.choose_backward_blocks(16384, 4096, head_dim=512, generation="v6e") == (blocks.BACKWARD_BLOCK,) * 2
+    # tpu7x's 36 MiB: 1024 blocks at head_dim 512; at 256, 2048 blocks fit but
+    # only 1024 ones fit with dq fused, which wins
+    assert blocks.choose_backward_blocks(16384, 4096, head_dim=512, generation="tpu7x") == (size, size)
+    assert blocks.choose_backward_blocks(16384, 4096, head_dim=256, generation="tpu7x") == (size, size)
+    assert blocks.choose_backward_blocks(16384, 4096, head_dim=256, generation="v6e") == (blocks.BACKWARD_BLOCK,) * 2
     assert blocks.choose_backward_blocks(32768, 8192, window=128, generation="v6e") == (blocks.WINDOW_BLOCK,) * 2
     assert blocks.choose_backward_blocks(1500, 1500, generation="v6e") == (size, size)
     assert blocks.choose_backward_blocks(32768, 8192, generation="v4")[0] <= size
     for gen in ("v4", "v5e", "v5p", "v6e", "tpu7x"):
-        for itemsize, d in ((2, 128), (4, 128), (2, 256), (2, 512)):
+        chip = tpu_generations.get_generation(gen)
+        for itemsize, d in ((2, 128), (4, 128), (2, 256), (2, 512), (4, 512)):
             bq, bk = blocks.choose_backward_blocks(32768, 8192, head_dim=d, itemsize=itemsize, generation=gen)
-            assert (blocks.backward_working_set_bytes(bq, bk, d, d, itemsize)
-                    <= tpu_generations.get_generation(gen).vmem_budget)
+            working_set = blocks.backward_working_set_bytes(bq, bk, d, d, itemsize)
+            assert working_set <= chip.large_vmem_budget, (gen, itemsize, d)
+            # past the default budget the kernels ask for the large limit
+            assert blocks.backward_needs_large_vmem(working_set, gen) == (working_set > chip.vmem_budget)
     assert blocks.backward_compute_blocks(2 * size, 2 * size) == (size, size)
     assert blocks.backward_compute_blocks(size, 3000) == (size, 3000)  # a side it does not divide stays whole
     assert blocks.check_compute_blocks((32, 128), 64, 256) == (32, 128)

@@ -106,7 +106,7 @@ def _backward_compiles(generation, case, dtype) -> bool:
     block_q, block_k = blocks.choose_backward_blocks(rows, skv, head_dim=d, itemsize=itemsize, window=window,
                                                      generation=generation)
     assert (blocks.backward_working_set_bytes(block_q, block_k, d, d, itemsize)
-            <= tpu_generations.get_generation(generation).vmem_budget)
+            <= tpu_generations.get_generation(generation).large_vmem_budget)
     num_q_blocks, num_kv_blocks = -(-rows // block_q), -(-skv // block_k)
     fused = blocks.fuses_dq(b * hkv * num_kv_blocks * num_q_blocks * block_q * d * 4,
                             blocks.backward_working_set_bytes(block_q, block_k, d, d, itemsize, fused_dq=True),

@@ -336,21 +336,39 @@ def choose_backward_blocks(rows: int, kv_len: int, *, head_dim: int = 128, v_dim
     fits the budget, else ``BACKWARD_COMPUTE_BLOCK`` square ones (``WINDOW_BLOCK``
     under a causal window), at most the rows / keys; ``block_k`` then ``block_q``
     halved (not below 512 / 128) until the working set fits."""
-    budget = tpu_generations.get_generation(generation).vmem_budget
+    budget = tpu_generations.get_generation(generation).large_vmem_budget
     v_dim = head_dim if v_dim is None else v_dim
 
     def fits():
         return backward_working_set_bytes(block_q, block_k, head_dim, v_dim, itemsize) <= budget
 
+    def fits_fused(bq, bk):
+        return backward_working_set_bytes(bq, bk, head_dim, v_dim, itemsize, fused_dq=True) <= budget
+
     block_q, block_k = min(rows, BACKWARD_BLOCK), min(kv_len, BACKWARD_BLOCK)
-    if window or not fits():
+    # Sub-tiles larger than BACKWARD_COMPUTE_BLOCK (a block it does not divide) keep the smaller blocks.
+    if window or not fits() or max(backward_compute_blocks(block_q, block_k)) > BACKWARD_COMPUTE_BLOCK:
         size = WINDOW_BLOCK if window else BACKWARD_COMPUTE_BLOCK
         block_q, block_k = min(rows, size), min(kv_len, size)
     while not fits() and block_k > MIN_BLOCK_K:
         block_k //= 2
     while not fits() and block_q > 128:
         block_q //= 2
+    # dq fuses only where the fused kernel's blocks fit too (``fuses_dq``):
+    # square BACKWARD_COMPUTE_BLOCK blocks with dq fused beat larger ones without.
+    smaller = min(rows, BACKWARD_COMPUTE_BLOCK), min(kv_len, BACKWARD_COMPUTE_BLOCK)
+    if (block_k > BACKWARD_COMPUTE_BLOCK and not fits_fused(block_q, block_k)
+            and fits_fused(*smaller)):
+        block_q, block_k = smaller
     return block_q, block_k
+
+
+def backward_needs_large_vmem(working_set: int, generation: str | None) -> bool:
+    """Whether a backward kernel whose blocks take ``working_set`` bytes
+    (``backward_working_set_bytes``) asks Mosaic for the large VMEM limit:
+    only where they pass the default budget (smaller blocks keep the default
+    limit)."""
+    return working_set > tpu_generations.get_generation(generation).vmem_budget
 
 
 def fuses_dq(part_bytes: int, working_set: int, *, block_k: int, num_kv_blocks: int,

@@ -198,8 +198,8 @@ def _dq_kernel(table_ref, sub_table_ref, start_ref, end_ref, q_ref, k_ref, v_ref
         dq_ref[...] = (dq_acc[...] * scale).astype(dq_ref.dtype)
 
 
-def _dkv_call(inputs, first: int, count: int, keys: int, *, walk, walk_steps, fused_dq: bool, skv: int,
-              num_kv_blocks: int, padded_rows: int, operands, semantics, generation, interpret, k, v, common):
+def _dkv_call(inputs, first: int, count: int, keys: int, *, walk, walk_steps, fused_dq: bool, large_vmem: bool,
+              skv: int, num_kv_blocks: int, padded_rows: int, operands, semantics, generation, interpret, k, v, common):
     """The dk/dv kernel over key blocks ``[first, first + count)``: ``(dk, dv)``
     of their ``keys`` rows and, ``fused_dq``, their f32 parts of dq ``[B, Hkv,
     count, padded rows, D]``."""
@@ -247,7 +247,7 @@ def _dkv_call(inputs, first: int, count: int, keys: int, *, walk, walk_steps, fu
                        *(spec for _, spec in dq_parts)],
             scratch_shapes=[pltpu.VMEM((block_k, d), jnp.float32), pltpu.VMEM((block_k, dv), jnp.float32)],
         ),
-        compiler_params=compiler_params(generation, semantics + ("arbitrary",), large_vmem=fused_dq),
+        compiler_params=compiler_params(generation, semantics + ("arbitrary",), large_vmem=fused_dq or large_vmem),
         interpret=interpret,
         name="flash_attention_bwd_dkv",
     )(*inputs)
@@ -304,6 +304,8 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
     # dq in the dk/dv kernel: each key block's f32 part of dq, at most FUSED_DQ_MAX_BYTES of them per call
     # (more key blocks: several calls, each over its own key blocks, their sums added).
     part_bytes = batch * hkv * padded_rows * d * 4
+    large_vmem = blocks_lib.backward_needs_large_vmem(
+        blocks_lib.backward_working_set_bytes(block_q, block_k, d, dv, kernel_dtype(q.dtype).itemsize), generation)
     fused_dq = blocks_lib.fuses_dq(
         part_bytes,
         blocks_lib.backward_working_set_bytes(block_q, block_k, d, dv, kernel_dtype(q.dtype).itemsize, fused_dq=True),
@@ -316,8 +318,8 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
         count = min(per_call, num_kv_blocks - first)
         keys = min(count * block_k, skv - first * block_k)  # the last call's may end inside its last block
         dk_c, dv_c, *dq_part = _dkv_call(
-            inputs, first, count, keys, walk=walk, walk_steps=walk_steps, fused_dq=fused_dq, skv=skv,
-            num_kv_blocks=num_kv_blocks, padded_rows=padded_rows, operands=operands, semantics=semantics,
+            inputs, first, count, keys, walk=walk, walk_steps=walk_steps, fused_dq=fused_dq, large_vmem=large_vmem,
+            skv=skv, num_kv_blocks=num_kv_blocks, padded_rows=padded_rows, operands=operands, semantics=semantics,
             generation=generation, interpret=interpret, k=k, v=v, common=common)
         dk_parts.append(dk_c)
         dv_parts.append(dv_c)
@@ -354,7 +356,7 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
             out_specs=pl.BlockSpec((None, None, block_q, d), row_block),
             scratch_shapes=[pltpu.VMEM((block_q, d), jnp.float32)],
         ),
-        compiler_params=compiler_params(generation, semantics),
+        compiler_params=compiler_params(generation, semantics, large_vmem=large_vmem),
         interpret=interpret,
         name="flash_attention_bwd_dq",
     )(table, sub_table, start, end, *map(as_kernel_operand, (q_rows, k, v, do_rows)), lse, delta, bounds)
