@@ -349,22 +349,25 @@ def test_visit_count_skips_empty_groups():
     assert int(visits) == 4  # rows 0-15, 16-23, and the zero tail 24-31
 
 
-@pytest.mark.parametrize("kind", ["random", "with_zeros", "all_empty"])
+@pytest.mark.parametrize("kind", ["random", "with_zeros", "all_empty", "sum_below_m"])
 @pytest.mark.parametrize("generation", ["v6e", "v4"])
-def test_fused_glu_experts_kernel(kind, generation):
+@pytest.mark.parametrize("tm", [8, 256])
+def test_fused_glu_experts_kernel(kind, generation, tm):
     """gate_up -> silu(gate) * up -> down in one kernel, against a float64 loop:
-    experts fetched by the kernel a run ahead (v6e) or by the grid (v4)."""
+    experts fetched by the kernel a run ahead (v6e) or by the grid (v4); 256-row
+    tiles run only the half of the tile holding a visit's rows where the other
+    holds none (``pallas_gmm.visit_row_chunks``), each storing its own rows."""
     from moe_experts_tpu.experts import pallas_fused_experts
 
-    rng = np.random.default_rng([SEED, 400 + KINDS.index(kind), generation == "v6e"])
-    m, h, i, e = int(rng.integers(1, 60)), 128, 48, 5
+    rng = np.random.default_rng([SEED, 400 + KINDS.index(kind), generation == "v6e", tm])
+    m, h, i, e = int(rng.integers(1, 60) if tm == 8 else rng.integers(300, 700)), 128, 48, 5
     x = rng.standard_normal((m, h)).astype(np.float32)
     gate_up = (rng.standard_normal((e, 2 * i, h)) * 0.1).astype(np.float32)
     down = (rng.standard_normal((e, h, i)) * 0.1).astype(np.float32)
     sizes = reference.random_group_sizes(rng, e, m, kind).astype(np.int32)
     got = pallas_fused_experts.fused_glu_experts(
         jnp.asarray(x), jnp.asarray(gate_up), jnp.asarray(down), jnp.asarray(sizes),
-        gate="glu_silu", tm=8, generation=generation, interpret=pallas_helpers.interpret_params())
+        gate="glu_silu", tm=tm, generation=generation, interpret=pallas_helpers.interpret_params())
     want = np.zeros((m, h))
     starts, ends = reference.bounds(sizes)
     for g in range(e):

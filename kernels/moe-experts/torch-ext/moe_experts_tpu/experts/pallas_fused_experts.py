@@ -87,7 +87,8 @@ def fused_row_tile(gate: str, rhs_layout: str, m: int, hidden: int, inter: int, 
     return tm
 
 
-def _kernel(*refs, tm: int, num_segments: int, activation, prefetch: pallas_gmm.WeightPrefetch | None):
+def _kernel(*refs, tm: int, num_segments: int, activation, prefetch: pallas_gmm.WeightPrefetch | None,
+            masked_store: bool):
     num_scalars = 5 + (3 if prefetch else 0)
     seg_ref, tile_ref, seg_start_ref, seg_end_ref = refs[:4]
     x_ref, gate_ref, up_ref, down_ref, out_ref = refs[num_scalars:num_scalars + 5]
@@ -98,14 +99,25 @@ def _kernel(*refs, tm: int, num_segments: int, activation, prefetch: pallas_gmm.
     v = pl.program_id(0)
     seg = seg_ref[v]
     is_local = (seg > 0) & (seg < num_segments - 1)
-    x = x_ref[...]
+    start, end = seg_start_ref[seg], seg_end_ref[seg]
+    tile_row = tile_ref[v] * tm
     dot = functools.partial(pallas_helpers.dot_f32, contract_x=1, contract_w=1)
-    g = dot(x, gate_ref[...])
-    u = dot(x, up_ref[...])
-    h = (activation(g) * u).astype(down_ref.dtype)
-    y = dot(h, down_ref[...])
-    y = jnp.where(is_local, y, jnp.zeros_like(y))
-    pallas_gmm.store_visit_rows(out_ref, y, v, tile_ref, tm, seg_start_ref[seg], seg_end_ref[seg])
+    # The tile's rows of the visit's group, or only the half of them that holds
+    # such rows (pallas_gmm.visit_row_chunks), each stored straight into its
+    # rows of the output block: every row of a tile belongs to one visit.
+    chunks = ([(tm, 0, True)] if tm < pallas_gmm.MIN_HALVED_TILE
+              else pallas_gmm.visit_row_chunks(tm, tm, start - tile_row, end - tile_row))
+    for size, first, live in chunks:
+
+        @pl.when(is_local & live)
+        def _compute(rows=pl.ds(first, size), first_row=tile_row + first):
+            x = x_ref[rows, :]
+            h = (activation(dot(x, gate_ref[...])) * dot(x, up_ref[...])).astype(down_ref.dtype)
+            pallas_gmm.store_chunk_rows(out_ref, rows, dot(h, down_ref[...]), first_row, start, end, masked_store)
+
+    @pl.when(jnp.logical_not(is_local))
+    def _idle():
+        pallas_gmm.store_visit_rows(out_ref, jnp.zeros(out_ref.shape, jnp.float32), v, tile_ref, tm, start, end)
 
 
 def fused_glu_experts(x, gate_up, down, group_sizes, *, gate: str, out_dtype=None,
@@ -147,7 +159,7 @@ def fused_glu_experts(x, gate_up, down, group_sizes, *, gate: str, out_dtype=Non
         in_specs[1:] = [pl.BlockSpec(memory_space=pl.ANY)] * 3
         scratch = prefetch.scratch(gate_up.dtype)
     kernel = functools.partial(_kernel, tm=tm, num_segments=num_experts + 2,
-                               activation=glu_activation(gate), prefetch=prefetch)
+                               activation=glu_activation(gate), prefetch=prefetch, masked_store=not interpret)
     halves = gate_up.reshape(num_experts, 2, inter, hidden) if prefetch else gate_up
     return pl.pallas_call(
         kernel,
