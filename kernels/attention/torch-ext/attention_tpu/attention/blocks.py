@@ -134,9 +134,19 @@ computes its tiles transposed (keys x queries), so that dv and dk are plain
 products: the queries-first tile transposed p and ds on the cross-lane unit
 (a whole 1024 x 1024 tile: 4628 cycles, transposed 4365). A masked tile then
 selects once (``exp(-inf) = 0``) instead of guarding the lse and selecting
-twice (a diagonal dk/dv tile: 6175 cycles, then 4764). bf16 at head_dim 128
-fits 2048 blocks on every chip but v4 (24 MiB of the 24 MiB budget); float32
-and wider heads keep the 1024 rule.
+twice (a diagonal dk/dv tile: 6175 cycles, then 4764).
+
+The blocks' budget is the generation's large one (``large_vmem_budget``: 72
+MiB on v5e / v6e, 36 on tpu7x / v5p; v4 keeps 12), which the kernels ask for
+only where their blocks pass the default 24 MiB (``backward_needs_large_vmem``):
+bf16 at head_dim 128 fits 2048 blocks in the default budget everywhere but
+v4; wider heads and float32 took 1024 or 512 blocks there. Gemma-4 global
+(head_dim 512) 4k, forward + backward, bf16, estimated: v6e 1378 -> 1041 us
+at 2048 blocks with dq fused (1024 blocks fused 1218-1238, unfused 1290),
+tpu7x 1071 -> 973 at 1024 blocks. Where 2048 blocks fit but only 1024 ones
+fit with dq fused (tpu7x at head_dim 256), the fused 1024 ones win (batch 2,
+8 / 4 heads, causal 4k, tpu7x: 1104 us against 1161). Blocks that 1024 does
+not divide (1500 rows: sub-tiles of all rows) keep the 1024 rule.
 
 dq in the dk/dv kernel (``fuses_dq``): the dk/dv kernel holds each tile's
 ``ds``; one more product, ``ds^T K`` (``ds`` transposed on the cross-lane unit),
@@ -333,9 +343,11 @@ def choose_backward_blocks(rows: int, kv_len: int, *, head_dim: int = 128, v_dim
                            itemsize: int = 2, window: int = 0, generation: str | None = None) -> tuple[int, int]:
     """Backward ``(block_q, block_k)``: ``BACKWARD_BLOCK`` square blocks (computed in
     ``backward_compute_blocks`` sub-tiles) where ``backward_working_set_bytes``
-    fits the budget, else ``BACKWARD_COMPUTE_BLOCK`` square ones (``WINDOW_BLOCK``
-    under a causal window), at most the rows / keys; ``block_k`` then ``block_q``
-    halved (not below 512 / 128) until the working set fits."""
+    fits the large budget and the sub-tiles are at most ``BACKWARD_COMPUTE_BLOCK``,
+    else ``BACKWARD_COMPUTE_BLOCK`` square ones (``WINDOW_BLOCK`` under a causal
+    window), at most the rows / keys; ``block_k`` then ``block_q`` halved (not
+    below 512 / 128) until the working set fits; ``BACKWARD_COMPUTE_BLOCK``
+    ones again where only they fit with dq fused (module docstring)."""
     budget = tpu_generations.get_generation(generation).large_vmem_budget
     v_dim = head_dim if v_dim is None else v_dim
 

@@ -19,7 +19,8 @@ local groups are written as zeros, and empty groups cost no step at all. The
 number of visits is data dependent and becomes the (dynamic) grid size; its
 static bound is ``tiles_m + segments - 1``. Within a visit the forward kernel
 computes only the row chunks (``tiling.row_chunk``) that hold rows of its
-segment, so a shared tile's visits split its MXU work instead of repeating it.
+segment, or only the half of a chunk that does (``visit_row_chunks``), so a
+shared tile's visits split its MXU work instead of repeating it.
 With K whole on a one-TensorCore chip the forward kernel moves its weights
 itself, a run of visits ahead (``WeightPrefetch``).
 

@@ -126,6 +126,23 @@ row and output tiles differ, see "Forward tiles"):
   chunks cost 5% more cycles when every chunk runs and save more: gpt-oss-20b
   4096 tokens 13396 -> 10782 us for the layer, Mixtral-8x7B 4096 tokens
   23455 -> 20738 us. v4 and v5p keep whole tiles (not estimated).
+* Half chunks (``pallas_gmm.visit_row_chunks``): a chunk whose one half
+  holds no row of the visit's group computes only the other half (one of
+  three static bodies per chunk: whole, first half, second half), so a group
+  boundary inside a chunk costs half a chunk, not a whole one; a 256-row tile
+  without chunks (tpu7x) runs as halves too (``MIN_HALVED_TILE``), as does
+  the fused experts kernel's. A half re-pushes the weight tile as a chunk
+  does, so it costs more than half a chunk, but less than the whole: v6e
+  gpt-oss-20b 4096 tokens, up projection 1164 -> 1076 us, down 578 -> 530;
+  v5e up 4068 -> 3872, Mixtral-8x7B up 11475 -> 11056; tpu7x gpt-oss-20b up
+  935 -> 857. Chunks started at the group's first row instead (a dynamic,
+  16-row aligned offset, no halves) lost: 1388 us for that v6e up
+  projection, the dynamic slices of the lhs and output blocks costing more
+  than the rows they saved. The layer (``bench_tpu_estimates``, logs
+  ``tpu_estimates_{v6e,tpu7x}_ours_half_chunks.log``): v6e gpt-oss-20b 4096
+  tokens 1769 -> 1616 us, Mixtral-8x7B 4096 4188 -> 4058; tpu7x gpt-oss-20b
+  512 / 4096 616 / 1481 -> 487 / 1349, Mixtral-8x7B 512 / 4096 967 / 3419
+  -> 880 / 3263, DeepSeek-V3 4096 8697 -> 7376; HBM-bound shapes unchanged.
 * Weight gradient (``tgmm``, ``weight_gradient_tiling``): the group-size row
   tile up to the MXU width (one MXU-deep contraction: the weight gradient
   computes whole row tiles, so a tile shared by two groups costs both the
