@@ -20,9 +20,11 @@ tile starts from the grouped matmul's rule (``tiling.py``), at most one
 MXU-wide pass of rows (``chip.mxu``: 128 on v5e, 256 on v6e and tpu7x), and is
 halved, down to the sublane minimum, until the working set fits. Why, from
 the TPU estimator (``bench/fused_row_tiles.py``, the kernel alone): the kernel
-computes whole row tiles (no row chunks), so rows past a group's end cost
-MXU time, while the expert's weights, fetched a run ahead, arrive under any
-tile's compute. v6e, tm 128 / 256 / 512: Qwen3-30B-A3B 4096 tokens 1194 /
+computes whole row tiles (no row chunks; a 256-row tile only the half
+holding a visit's rows where the other holds none, ``pallas_gmm.visit_row_chunks``:
+tpu7x Qwen3-30B-A3B 4096 tokens 603 -> 591 us, v6e unchanged), so rows
+past a group's end cost MXU time, while the expert's weights, fetched a run
+ahead, arrive under any tile's compute. v6e, tm 128 / 256 / 512: Qwen3-30B-A3B 4096 tokens 1194 /
 989 / 1078 us (DMA-bound 982), 512 tokens 769 / 769 / 770; Gemma-4-26B-A4B
 (I=704) 64 tokens 914 / 914 / 960, 512 tokens 972 / 972 / 1036, 4096 tokens
 1540 / 1275 / 1456 (512 rows, the matmuls' tile, was the best before the
@@ -102,18 +104,24 @@ def _kernel(*refs, tm: int, num_segments: int, activation, prefetch: pallas_gmm.
     start, end = seg_start_ref[seg], seg_end_ref[seg]
     tile_row = tile_ref[v] * tm
     dot = functools.partial(pallas_helpers.dot_f32, contract_x=1, contract_w=1)
+
+    def rows_out(x):
+        h = (activation(dot(x, gate_ref[...])) * dot(x, up_ref[...])).astype(down_ref.dtype)
+        return dot(h, down_ref[...])
+
+    if tm < pallas_gmm.MIN_HALVED_TILE:  # the whole tile, merged into the block (v5e's 128 rows)
+        y = jnp.where(is_local, rows_out(x_ref[...]), 0.0)
+        pallas_gmm.store_visit_rows(out_ref, y, v, tile_ref, tm, start, end)
+        return
     # The tile's rows of the visit's group, or only the half of them that holds
     # such rows (pallas_gmm.visit_row_chunks), each stored straight into its
-    # rows of the output block: every row of a tile belongs to one visit.
-    chunks = ([(tm, 0, True)] if tm < pallas_gmm.MIN_HALVED_TILE
-              else pallas_gmm.visit_row_chunks(tm, tm, start - tile_row, end - tile_row))
-    for size, first, live in chunks:
+    # rows of the output block: every row of a tile belongs to one visit
+    # (estimated, v5e's 128-row tiles lose 1% this way: they keep the merge).
+    for size, first, live in pallas_gmm.visit_row_chunks(tm, tm, start - tile_row, end - tile_row):
 
         @pl.when(is_local & live)
         def _compute(rows=pl.ds(first, size), first_row=tile_row + first):
-            x = x_ref[rows, :]
-            h = (activation(dot(x, gate_ref[...])) * dot(x, up_ref[...])).astype(down_ref.dtype)
-            pallas_gmm.store_chunk_rows(out_ref, rows, dot(h, down_ref[...]), first_row, start, end, masked_store)
+            pallas_gmm.store_chunk_rows(out_ref, rows, rows_out(x_ref[rows, :]), first_row, start, end, masked_store)
 
     @pl.when(jnp.logical_not(is_local))
     def _idle():
