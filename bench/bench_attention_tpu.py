@@ -757,7 +757,9 @@ def write(results, generations, cases, out_dir, command):
         "unchanged, except that the hd64 kernel's `pltpu.reciprocal` is jax 0.10's `pl.reciprocal`) and the "
         "TPU version its code reads from the device set to the target chip's. The v5e prefill rows: ours and RPA "
         "(`attention_tpu_rpa.log`), splash's `--quick` sweep where `attention_tpu_v5e_peers.log` has it (its "
-        "2048 blocks exceed v5e's scoped VMEM); no tokamax / JAX flash there."
+        "2048 blocks exceed v5e's scoped VMEM); no tokamax there, JAX flash only at Gemma-4 global "
+        "(`attention_tpu_backward_large_vmem.log`, the run that re-estimated that case after the backward "
+        "took the large VMEM budget)."
         f"\n\nCommand: `{command}`; tables rebuilt from the logs with `--from-logs`." + missing_note)
     sections = [("Estimated times, forward", fwd_rows),
                 ("Estimated times, forward + backward (prefill)", train_rows),
