@@ -210,8 +210,8 @@ MIN_HALVED_TILE = 256
 
 
 def visit_row_chunks(tm: int, chunk: int, lo, hi):
-    """The row chunks a whole-K visit computes to cover its rows ``[lo, hi)``
-    of the row tile: ``(size, first, live)``, ``first`` the chunk's first row
+    """The row chunks a visit computes to cover its rows ``[lo, hi)`` of the
+    row tile (tile-relative; they may reach past it): ``(size, first, live)``, ``first`` the chunk's first row
     in the tile (static), ``live`` whether it runs. Per ``chunk`` rows of the
     tile, the whole chunk where both of its halves hold rows of the visit,
     else only the half that does: a group whose boundary falls inside a
