@@ -350,16 +350,17 @@ def test_visit_count_skips_empty_groups():
 
 
 @pytest.mark.parametrize("kind", ["random", "with_zeros", "all_empty", "sum_below_m"])
-@pytest.mark.parametrize("generation", ["v6e", "v4"])
+@pytest.mark.parametrize("generation", ["tpu7x", "v4"])
 @pytest.mark.parametrize("tm", [8, 256])
 def test_fused_glu_experts_kernel(kind, generation, tm):
     """gate_up -> silu(gate) * up -> down in one kernel, against a float64 loop:
-    experts fetched by the kernel a run ahead (v6e) or by the grid (v4); 256-row
-    tiles run only the half of the tile holding a visit's rows where the other
-    holds none (``pallas_gmm.visit_row_chunks``), each storing its own rows."""
+    experts fetched by the kernel a run ahead (tpu7x) or by the grid (v4);
+    tpu7x's 256-row tiles run only the half of the tile holding a visit's rows
+    where the other holds none (``pallas_gmm.visit_row_chunks``), each storing
+    its own rows; v4's merge whole tiles into the block."""
     from moe_experts_tpu.experts import pallas_fused_experts
 
-    rng = np.random.default_rng([SEED, 400 + KINDS.index(kind), generation == "v6e", tm])
+    rng = np.random.default_rng([SEED, 400 + KINDS.index(kind), generation == "tpu7x", tm])
     m, h, i, e = int(rng.integers(1, 60) if tm == 8 else rng.integers(300, 700)), 128, 48, 5
     x = rng.standard_normal((m, h)).astype(np.float32)
     gate_up = (rng.standard_normal((e, 2 * i, h)) * 0.1).astype(np.float32)

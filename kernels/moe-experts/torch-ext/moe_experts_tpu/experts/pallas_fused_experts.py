@@ -20,9 +20,9 @@ tile starts from the grouped matmul's rule (``tiling.py``), at most one
 MXU-wide pass of rows (``chip.mxu``: 128 on v5e, 256 on v6e and tpu7x), and is
 halved, down to the sublane minimum, until the working set fits. Why, from
 the TPU estimator (``bench/fused_row_tiles.py``, the kernel alone): the kernel
-computes whole row tiles (no row chunks; a 256-row tile only the half
-holding a visit's rows where the other holds none, ``pallas_gmm.visit_row_chunks``:
-tpu7x Qwen3-30B-A3B 4096 tokens 603 -> 591 us, v6e unchanged), so rows
+computes whole row tiles (no row chunks; on tpu7x a 256-row tile only the
+half holding a visit's rows where the other holds none, ``HALVED_TILE_GENERATIONS``),
+so rows
 past a group's end cost MXU time, while the expert's weights, fetched a run
 ahead, arrive under any tile's compute. v6e, tm 128 / 256 / 512: Qwen3-30B-A3B 4096 tokens 1194 /
 989 / 1078 us (DMA-bound 982), 512 tokens 769 / 769 / 770; Gemma-4-26B-A4B
@@ -89,8 +89,19 @@ def fused_row_tile(gate: str, rhs_layout: str, m: int, hidden: int, inter: int, 
     return tm
 
 
+# Where a 256-row tile runs only the half holding a visit's rows when the
+# other half holds none (``pallas_gmm.visit_row_chunks``), each half storing
+# its own rows; elsewhere the whole tile, merged into the block. Estimated,
+# the kernel at 4096 tokens: tpu7x Qwen3-30B-A3B 603 -> 591 us (skewed
+# routing 607 -> 601); v6e, DMA-bound there, gains nothing with a uniform
+# routing and loses with a skewed one (Qwen3-30B-A3B 1084 -> 1104 us,
+# Gemma-4-26B-A4B 1394 -> 1421): the halves' larger step body costs where
+# the saved MXU time was hidden anyway. v5e's 128-row tiles lose 1%.
+HALVED_TILE_GENERATIONS = ("tpu7x",)
+
+
 def _kernel(*refs, tm: int, num_segments: int, activation, prefetch: pallas_gmm.WeightPrefetch | None,
-            masked_store: bool):
+            masked_store: bool, halves: bool):
     num_scalars = 5 + (3 if prefetch else 0)
     seg_ref, tile_ref, seg_start_ref, seg_end_ref = refs[:4]
     x_ref, gate_ref, up_ref, down_ref, out_ref = refs[num_scalars:num_scalars + 5]
@@ -109,14 +120,13 @@ def _kernel(*refs, tm: int, num_segments: int, activation, prefetch: pallas_gmm.
         h = (activation(dot(x, gate_ref[...])) * dot(x, up_ref[...])).astype(down_ref.dtype)
         return dot(h, down_ref[...])
 
-    if tm < pallas_gmm.MIN_HALVED_TILE:  # the whole tile, merged into the block (v5e's 128 rows)
+    if not halves:  # the whole tile, merged into the block
         y = jnp.where(is_local, rows_out(x_ref[...]), 0.0)
         pallas_gmm.store_visit_rows(out_ref, y, v, tile_ref, tm, start, end)
         return
     # The tile's rows of the visit's group, or only the half of them that holds
     # such rows (pallas_gmm.visit_row_chunks), each stored straight into its
-    # rows of the output block: every row of a tile belongs to one visit
-    # (estimated, v5e's 128-row tiles lose 1% this way: they keep the merge).
+    # rows of the output block: every row of a tile belongs to one visit.
     for size, first, live in pallas_gmm.visit_row_chunks(tm, tm, start - tile_row, end - tile_row):
 
         @pl.when(is_local & live)
@@ -167,7 +177,9 @@ def fused_glu_experts(x, gate_up, down, group_sizes, *, gate: str, out_dtype=Non
         in_specs[1:] = [pl.BlockSpec(memory_space=pl.ANY)] * 3
         scratch = prefetch.scratch(gate_up.dtype)
     kernel = functools.partial(_kernel, tm=tm, num_segments=num_experts + 2,
-                               activation=glu_activation(gate), prefetch=prefetch, masked_store=not interpret)
+                               activation=glu_activation(gate), prefetch=prefetch, masked_store=not interpret,
+                               halves=tm >= pallas_gmm.MIN_HALVED_TILE
+                               and tpu_generations.get_generation(generation).name in HALVED_TILE_GENERATIONS)
     halves = gate_up.reshape(num_experts, 2, inter, hidden) if prefetch else gate_up
     return pl.pallas_call(
         kernel,

@@ -131,7 +131,8 @@ row and output tiles differ, see "Forward tiles"):
   three static bodies per chunk: whole, first half, second half), so a group
   boundary inside a chunk costs half a chunk, not a whole one; a 256-row tile
   without chunks (tpu7x) runs as halves too (``MIN_HALVED_TILE``), as does
-  the fused experts kernel's. A half re-pushes the weight tile as a chunk
+  the fused experts kernel's on tpu7x (not on v6e, where it lost:
+  ``pallas_fused_experts.HALVED_TILE_GENERATIONS``). A half re-pushes the weight tile as a chunk
   does, so it costs more than half a chunk, but less than the whole: v6e
   gpt-oss-20b 4096 tokens, up projection 1164 -> 1076 us, down 578 -> 530;
   v5e up 4068 -> 3872, Mixtral-8x7B up 11475 -> 11056; tpu7x gpt-oss-20b up
