@@ -59,7 +59,10 @@ CONTENDERS = ("ours", "ours fused", "megablox@best", "tokamax@best", "tpu-infere
 RESULTS = ROOT / "bench" / "results"
 
 
-ROUTINGS = ("uniform", "skewed")
+ROUTINGS = ("uniform", "skewed", "balanced")
+# Balanced routing: every expert gets the same rows (the remainder one each
+# to the first experts), so where that is a multiple of the row tile no tile
+# holds a group boundary: the layer's bound without boundary visits.
 # Skewed routing: expert e (in a random order) is picked with a weight
 # (rank + 1) ** -SKEW, so a few experts are hot and the tail cold or empty
 # (Qwen3-30B-A3B at 512 tokens: the hottest expert takes 510 of the 512
@@ -70,9 +73,13 @@ SKEW = 1.5
 def routing_group_sizes(tokens, experts, top_k, rng, routing="uniform") -> np.ndarray:
     """Group sizes of a random top-k routing (k distinct experts per token):
     every expert equally likely ("uniform") or the "skewed" weights above
-    (sampled without replacement: the top k of log-weight + Gumbel noise)."""
+    (sampled without replacement: the top k of log-weight + Gumbel noise);
+    "balanced": no randomness, ``tokens * top_k`` rows split evenly."""
     if routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    if routing == "balanced":
+        rows, rest = divmod(tokens * top_k, experts)
+        return (rows + (np.arange(experts) < rest)).astype(np.int32)
     scores = rng.random((tokens, experts))  # uniform: the k smallest of uniform noise
     if routing == "skewed":
         scores = SKEW * np.log1p(rng.permutation(experts)) + np.log(-np.log(scores))
@@ -325,8 +332,9 @@ def main(argv=None):
     ap.add_argument("--sweep-rounds", type=int, default=None,
                     help="rounds of the walk for a shape the sweep record lacks (0: its starts only)")
     ap.add_argument("--routing", choices=ROUTINGS, default="uniform",
-                    help="group sizes of the routing; skewed: peers keep their best configs for uniform routing")
-    ap.add_argument("--out", default=None, help="default: results/tpu_estimates.md (tpu_estimates_skewed.md)")
+                    help="group sizes of the routing; skewed / balanced: peers keep their best configs for uniform "
+                         "routing")
+    ap.add_argument("--out", default=None, help="default: results/tpu_estimates.md (tpu_estimates_<routing>.md)")
     ap.add_argument("--from-logs", nargs="+", default=None,
                     help="build the tables from the progress output of earlier runs instead of estimating")
     args = ap.parse_args(argv)
@@ -387,6 +395,8 @@ ROUTING_TEXT = {
     "uniform": "every expert equally likely",
     "skewed": (f"skewed (expert weights (rank + 1) ** -{SKEW}: a few hot experts, a cold or empty tail; the peers "
                "run their best configs for the uniform routing of the same shape, not re-swept)"),
+    "balanced": ("balanced (every expert the same rows: no group boundary inside a row tile where that is a "
+                 "multiple of it; the peers run their best configs for the uniform routing of the same shape)"),
 }
 
 

@@ -108,3 +108,24 @@ def test_follow_takes_the_other_peers_best_tiles_at_every_buffer_count_without_a
                             estimate=estimate, starts=[], follow="megablox")
     assert calls == [(256, 2048, 768, 2), (256, 2048, 768, 3), (256, 2048, 768, 4)]
     assert best == ((256, 2048, 768, 4), 996.0)
+
+
+def test_balanced_routing_splits_rows_evenly_and_keeps_the_others_random():
+    """bench_tpu_estimates' routings: "balanced" (the layer without boundary
+    visits) gives every expert the same rows, the remainder one each to the
+    first experts; uniform and skewed stay top-k draws of distinct experts."""
+    import numpy as np
+    import pytest
+
+    import bench_tpu_estimates
+
+    sizes = bench_tpu_estimates.routing_group_sizes(4096, 32, 4, np.random.default_rng(0), "balanced")
+    assert sizes.tolist() == [512] * 32
+    sizes = bench_tpu_estimates.routing_group_sizes(7, 4, 2, np.random.default_rng(0), "balanced")
+    assert sizes.tolist() == [4, 4, 3, 3]
+    for routing in ("uniform", "skewed"):
+        sizes = bench_tpu_estimates.routing_group_sizes(64, 8, 2, np.random.default_rng(1), routing)
+        assert sizes.sum() == 128 and sizes.max() <= 64  # each token picks two distinct experts
+        assert len(set(sizes.tolist())) > 1  # random draws, not an even split
+    with pytest.raises(ValueError, match="routing"):
+        bench_tpu_estimates.routing_group_sizes(8, 4, 1, np.random.default_rng(0), "hot")
