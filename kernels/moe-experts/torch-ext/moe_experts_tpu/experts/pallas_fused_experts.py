@@ -21,10 +21,10 @@ MXU-wide pass of rows (``chip.mxu``: 128 on v5e, 256 on v6e and tpu7x), and is
 halved, down to the sublane minimum, until the working set fits. Why, from
 the TPU estimator (``bench/fused_row_tiles.py``, the kernel alone): the kernel
 computes whole row tiles (no row chunks; on tpu7x a 256-row tile only the
-half holding a visit's rows where the other holds none, ``HALVED_TILE_GENERATIONS``),
-so rows
-past a group's end cost MXU time, while the expert's weights, fetched a run
-ahead, arrive under any tile's compute. v6e, tm 128 / 256 / 512: Qwen3-30B-A3B 4096 tokens 1194 /
+half holding a visit's rows where the other holds none,
+``HALVED_TILE_GENERATIONS``), so rows past a group's end cost MXU time,
+while the expert's weights, fetched a run ahead, arrive under any tile's
+compute. v6e, tm 128 / 256 / 512: Qwen3-30B-A3B 4096 tokens 1194 /
 989 / 1078 us (DMA-bound 982), 512 tokens 769 / 769 / 770; Gemma-4-26B-A4B
 (I=704) 64 tokens 914 / 914 / 960, 512 tokens 972 / 972 / 1036, 4096 tokens
 1540 / 1275 / 1456 (512 rows, the matmuls' tile, was the best before the
