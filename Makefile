@@ -16,8 +16,10 @@ hub-compat: bootstrap
 	bash scripts/bootstrap_compat.sh
 	$(ENV) $(PY) build/hub.py all --out dist/hub-compat --python .venv-compat/bin/python
 
+# Two workers (the CI host has two cores), one test file per worker at a time: a file's
+# module fixtures (Hub builds, saved models) are built once.
 test: bootstrap
-	$(ENV) $(PY) -m pytest -q tests
+	$(ENV) $(PY) -m pytest -q -n 2 --dist loadfile --durations=30 tests
 
 # Measured tables beyond tokamax's wheel (v5p, v6e, the larger tpu7x one): a folder in tokamax's
 # repository layout at commit 783ea95 (make bench CALIBRATION_DATA=DIR); unset: the wheel's tables only.

@@ -747,13 +747,26 @@ def dev(out: Path, names: list[str] | None = None) -> dict[str, Path]:
         for m in load_manifests(names):
             files, _, _ = assemble_package(m, with_dev=True)
             dest = out / m.package
+            written[m.package] = dest
+            # An unchanged tree is left alone: test workers and benchmarks running
+            # beside each other import from it while another process assembles it.
+            if _tree_files(dest) == files:
+                continue
             if dest.exists():
                 shutil.rmtree(dest)
             for rel, content in files.items():
                 (dest / rel).parent.mkdir(parents=True, exist_ok=True)
                 (dest / rel).write_bytes(content)
-            written[m.package] = dest
     return written
+
+
+def _tree_files(folder: Path) -> dict[str, bytes] | None:
+    """Every file under `folder` by its relative path, bytecode caches aside (None if
+    there is no folder)."""
+    if not folder.is_dir():
+        return None
+    return {f.relative_to(folder).as_posix(): f.read_bytes() for f in folder.rglob("*")
+            if f.is_file() and "__pycache__" not in f.parts}
 
 
 def build(out: Path, org: str | None = None, names: list[str] | None = None) -> list[BuiltRepo]:
