@@ -105,7 +105,10 @@ def split_even_odd(lhs, tk: int, tiles_k: int, half: int):
     it with the tile's [low nibbles | high nibbles] without interleaving
     lanes. Columns past K are zeros."""
     m, k = lhs.shape
-    x = jnp.pad(lhs, ((0, 0), (0, tiles_k * tk - k))).reshape(m, tiles_k, tk // 2, 2)
-    x = jnp.moveaxis(x, 3, 2)  # [m, tiles, 2, tk/2]
-    x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, half - tk // 2)))
+    x = jnp.pad(lhs, ((0, 0), (0, tiles_k * tk - k))).reshape(m, tiles_k, tk)
+    # Strided lane slices, not a pair axis moved in front (XLA made three
+    # copies of that): estimated v6e, [32768, 2048] bf16, 327 us against 737
+    # (x + 1: 245); the mxfp4 layer, Qwen3-30B-A3B 4096 tokens, 3140 -> 2774 us.
+    lanes = ((0, 0), (0, 0), (0, half - tk // 2))
+    x = jnp.concatenate([jnp.pad(x[:, :, 0::2], lanes), jnp.pad(x[:, :, 1::2], lanes)], axis=2)
     return x.reshape(m, tiles_k * 2 * half)
