@@ -104,7 +104,8 @@ CASES = {
              (64, 384, 320, 3, "one_huge", (16, 384, 256), "low")],
     "fp8": [(37, 200, 136, 4, "with_zeros", None, "low"), (64, 384, 320, 3, "random", (16, 256, 256), "low"),
             (64, 384, 320, 3, "one_huge", (16, 384, 256), "low"),
-            (300, 384, 320, 3, "random", (256, 384, 256), "low")],  # tm > 128 (tiling.fp8_sliced): the dequantized tile
+            # groups averaging 100 rows at tm 256: sliced (tiling.fp8_sliced, v6e's rule); 267 rows: the dequantized tile
+            (300, 384, 320, 3, "random", (256, 384, 256), "low"), (800, 384, 320, 3, "random", (256, 384, 256), "low")],
     "mxfp4": [(37, 224, 136, 4, "with_zeros", None, "low"), (40, 160, 136, 3, "random", None, "high"),
               (64, 384, 320, 3, "one_huge", (16, 384, 256), "low"),
               (24, 8192 + 64, 130, 2, "random", (16, 4096, 128), "low"),
@@ -159,6 +160,21 @@ def test_fp8_decode_path_without_e4m3_matmul():
         got = run_gmm(lhs, values, scales, sizes, "fp8", dtype, generation="v4")
         assert_matches(got, lhs, reference.dequantize_weights(values, scales, "fp8"), sizes, dtype,
                        what=f"fp8 v4 {jnp.dtype(dtype).name}")
+
+
+def test_fp8_sliced_rule_per_generation_and_v5e_prefill():
+    """The K-sliced path's reach (tiling.fp8_sliced): v5e at every size (its
+    128-deep MXU is filled by a 128-wide slice), v6e up to 256 rows a group,
+    tpu7x up to 128, the others 32; and on v5e a prefill (267 rows a group,
+    tm 256, split N) through it matches the float64 reference."""
+    for gen, limit in (("v6e", 256), ("tpu7x", 128), ("v4", 32), ("v5p", 32)):
+        assert tiling.fp8_sliced(limit * 4, 4, gen) and not tiling.fp8_sliced(limit * 4 + 1, 4, gen), gen
+    assert tiling.fp8_sliced(1 << 20, 4, "v5e")
+    rng = np.random.default_rng(SEED)
+    lhs, values, scales, sizes = inputs(rng, "fp8", 800, 384, 320, 3, "random", jnp.bfloat16)
+    got = run_gmm(lhs, values, scales, sizes, "fp8", jnp.bfloat16, tiling=(256, 384, 256), generation="v5e")
+    assert_matches(got, lhs, reference.dequantize_weights(values, scales, "fp8"), sizes, jnp.bfloat16,
+                   what="fp8 v5e prefill sliced")
 
 
 @pytest.mark.parametrize("fmt_name", FORMATS)
@@ -478,15 +494,16 @@ def test_experts_program_refuses_quantized_misuse():
 def test_compiles_for_tpu_generations(fmt_name, generation):
     """Each format lowers through Mosaic on every generation, at a small
     gpt-oss-like shape (K = 2880: mxfp4's scales 90 lanes wide, K not a
-    multiple of 128) with the rule's tiles; fp8 also at 4096 rows (row tiles
-    past 128, tiling.fp8_sliced: the dequantized-tile path). The full model x
-    tokens matrix is bench/aot_quantized.py."""
+    multiple of 128) with the rule's tiles; fp8 also at 512 and 4096 rows
+    (prefill row tiles: 128 rows a group sliced on v5e / v6e / tpu7x, 1024 the
+    dequantized tile but on v5e, tiling.fp8_sliced). The full model x tokens
+    matrix is bench/aot_quantized.py."""
     pytest.importorskip("libtpu")
     from ragged_dot_tpu.common import aot
 
     fmt = quant_formats.weight_format(fmt_name)
     k, n, g = 2880, 384, 4
-    for m in (64, 4096) if fmt_name == "fp8" else (64,):
+    for m in (64, 512, 4096) if fmt_name == "fp8" else (64,):
         aot.compile_for(generation, lambda x, v, s, gs: pallas_gmm.gmm(
             x, v, gs, rhs_scales=s, weight_format=fmt_name, generation=generation),
             ((m, k), jnp.bfloat16), (fmt.values_shape(g, n, k), jnp.dtype(fmt.values_dtype)),

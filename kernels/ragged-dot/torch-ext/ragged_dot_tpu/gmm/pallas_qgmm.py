@@ -20,7 +20,8 @@ format:
   (no accumulator at whole K, the gate on both halves' layouts). Estimated
   v6e, the layer at 4096 tokens, this kernel -> that one: Qwen3-30B-A3B
   1106 -> 1024 us, gpt-oss-20b 2056 -> 1793, Mixtral-8x7B 5019 -> 4072.
-* fp8 at decode (``tiling.fp8_sliced``): no dequantized copy. Per 128-wide
+* fp8 sliced (``tiling.fp8_sliced``: decode everywhere, prefill up to 256
+  rows a group on v6e, 128 on tpu7x, all of it on v5e): no dequantized copy. Per 128-wide
   K slice the e4m3 tile goes into the MXU dot as it is (Mosaic pushes the
   bytes as e4m3b11 on v5e / v5p / v6e / tpu7x, ``FP8_MXU_GENERATIONS``; v4
   gets an exact ``astype(bf16)`` first) and the block scale multiplies the
@@ -31,7 +32,7 @@ format:
   exact than the tile path (no bf16 rounding of value x scale). Estimated
   v6e Qwen3-30B-A3B 8 tokens, up projection alone: 290 us (tile) -> 220
   (slices, astype) -> 102.5 (slices, e4m3 into the MXU; HBM roofline 96).
-* fp8 otherwise (prefill): e4m3 values times their 128 x 128 block
+* fp8 otherwise (larger groups): e4m3 values times their 128 x 128 block
   scale, in f32, rounded once to the lhs dtype (the weight
   ``dequantize(.., dtype)`` produces), into a scratch tile kept across the
   visits of a group (the slices would cost per visit and per live row). A step reads its
@@ -125,13 +126,9 @@ MXFP4_BLOCK = quant_formats.FORMATS["mxfp4"].block_k  # 32 values, 16 packed byt
 # 609 / 447 us; 256 rows (x 512) 608 / 441 us.
 ROW_BLOCK = 128
 # fp8 runs per 128-wide K slice with the scale on the partial products where
-# ``tiling.fp8_sliced`` says (row tile <= 128, groups averaging <= 32 rows):
-# the slices cost per visit and per live row, the dequantized tile once per
-# group. Estimated v6e (TPU estimator, before the e4m3 operand went into the
-# MXU directly): Qwen3-30B-A3B 512 tokens (32 rows a group, tm 128) layer
-# 1298 -> 1187 us sliced; gpt-oss-20b 512 tokens (64 rows a group, tm 128)
-# up projection tile 1190 us, sliced 1259; Qwen3 4096 tokens (tm 256) up
-# projection tile 1201 us, sliced 1544.
+# ``tiling.fp8_sliced`` says (groups averaging at most 256 rows on v6e, 128
+# on tpu7x, any on v5e): the slices cost per visit and per live row, the
+# dequantized tile once per group (the estimates in tiling.py).
 # Generations whose matmul takes an e4m3 operand (v4 refuses it).
 FP8_MXU_GENERATIONS = tiling_lib.E4M3_MXU_GENERATIONS
 
@@ -603,9 +600,10 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
     seg, tile, num_visits, seg_starts, seg_ends, weight_group = forward_visits(
         group_sizes, group_offset, num_local, m=m, tm=tm)
     dequantize = dequantizing_visits(seg, num_local, tiles_k)
-    fp8_sliced = weight_format == "fp8" and tiling_lib.fp8_sliced(m, num_local, tm)
     # the device's own generation when none is given: on a v4 the e4m3 dot would not compile
-    e4m3_into_mxu = (generation or tiling_lib.tpu_generations.current_generation()) in FP8_MXU_GENERATIONS
+    device_generation = generation or tiling_lib.tpu_generations.current_generation()
+    fp8_sliced = weight_format == "fp8" and tiling_lib.fp8_sliced(m, num_local, device_generation)
+    e4m3_into_mxu = device_generation in FP8_MXU_GENERATIONS
     mxfp4_stacked = (weight_format == "mxfp4" and e4m3_into_mxu and lhs.dtype == jnp.bfloat16
                      and tiling_lib.mxfp4_stacked(m, num_local, tm, tn))
 

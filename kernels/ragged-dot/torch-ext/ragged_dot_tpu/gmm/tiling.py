@@ -442,24 +442,40 @@ QUANT_TK_ALIGN = {"int8": 128, "fp8": 128, "mxfp4": 4096}
 # tiles (TPU estimator, v6e, Qwen3-30B-A3B 8 tokens, int8, tm 16: up / down
 # tiles 768 / 1024 wide 163 us, 1536 / 2048 wide 153 us, roofline 145 us).
 QUANT_TN_MAX = {"v5e": 4096, "v6e": 4096, "tpu7x": 4096}
-# fp8 at decode (groups averaging at most FP8_SLICED_ROWS_PER_GROUP rows, m /
-# groups) runs per 128-wide K slice with the block scale on the partial
-# products (pallas_qgmm), whose cost grows with the rows of a visit: with
-# groups averaging at most FP8_DECODE_TM_ROWS_PER_GROUP rows its row tile is
-# at most FP8_DECODE_TM. TPU estimator, v6e: up projection at 64 tokens,
-# Qwen3-30B-A3B (4 rows a group) tm 128 / 32 / 16: 308 / 264 / 279 us;
-# gpt-oss-20b (8 rows) tm 128 / 32: 449 / 402 us; layer, tm 128 -> 32: Qwen3
-# 64 tokens 503 -> 399 us, DeepSeek-V3 64 tokens (2 rows) 6971 -> 6176, but
-# Mixtral 64 tokens (16 rows) 1065 -> 1112 and Qwen3 512 tokens (32 rows)
-# 641 -> 690: no cap there.
-FP8_SLICED_ROWS_PER_GROUP = 32
+# fp8 runs per 128-wide K slice with the block scale on the f32 partial
+# products (pallas_qgmm, "sliced": the e4m3 tile straight into the MXU, no
+# dequantized copy) while its groups average at most
+# FP8_SLICED_ROWS_PER_GROUP[generation] rows (m / groups), else it
+# dequantizes the tile once per group. The slices cost per visit and per
+# live row (a 128-deep push: half the depth of a 256-deep MXU), the tile a
+# fixed VPU decode per weight. TPU estimator, the layer
+# (bench_quantized_estimates), tile -> sliced, rows a group in brackets:
+# v6e gpt-oss-20b 512 tokens (64) 1739 -> 965 us, Mixtral-8x7B 512 (128)
+# 3150 -> 1897, Qwen3-30B-A3B 4096 (256) 1902 -> 1821, gpt-oss-20b 4096
+# (512) 3106 -> 3460, Mixtral-8x7B 4096 (1024) 7030 -> 9224; tpu7x 64: 862
+# -> 808, 128: 2077 -> 1611, 256: 1064 -> 1393, 512: 2103 -> 2940; v5e
+# (128-deep MXU: a slice fills it) sliced at every size: 64: 4078 -> 2587,
+# 128: 5896 -> 3957, 256: 3996 -> 3100, 512: 9881 -> 8382, 1024: 20735 ->
+# 18763. Generations not listed (v4: an astype per slice; v5p): not
+# estimated at prefill, the decode threshold. With groups averaging at most
+# FP8_DECODE_TM_ROWS_PER_GROUP rows the row tile is at most FP8_DECODE_TM.
+# TPU estimator, v6e: up projection at 64 tokens, Qwen3-30B-A3B (4 rows a
+# group) tm 128 / 32 / 16: 308 / 264 / 279 us; gpt-oss-20b (8 rows) tm 128
+# / 32: 449 / 402 us; layer, tm 128 -> 32: Qwen3 64 tokens 503 -> 399 us,
+# DeepSeek-V3 64 tokens (2 rows) 6971 -> 6176, but Mixtral 64 tokens (16
+# rows) 1065 -> 1112 and Qwen3 512 tokens (32 rows) 641 -> 690: no cap
+# there.
+FP8_SLICED_ROWS_PER_GROUP = {"v5e": None, "v6e": 256, "tpu7x": 128}  # None: always sliced
+FP8_SLICED_ROWS_PER_GROUP_OTHERS = 32
 FP8_DECODE_TM_ROWS_PER_GROUP = 8
 FP8_DECODE_TM = 32
 
 
-def fp8_sliced(m: int, num_groups: int, tm: int) -> bool:
-    """Whether the fp8 kernel takes its K-sliced decode path (pallas_qgmm)."""
-    return tm <= 128 and rows_per_group(m, num_groups) <= FP8_SLICED_ROWS_PER_GROUP
+def fp8_sliced(m: int, num_groups: int, generation: str | None) -> bool:
+    """Whether the fp8 kernel takes its K-sliced path (pallas_qgmm) on ``generation``."""
+    name = tpu_generations.get_generation(generation).name
+    limit = FP8_SLICED_ROWS_PER_GROUP.get(name, FP8_SLICED_ROWS_PER_GROUP_OTHERS)
+    return limit is None or rows_per_group(m, num_groups) <= limit
 
 
 # mxfp4 at decode (groups averaging at most MXFP4_STACKED_ROWS_PER_GROUP rows)
@@ -542,7 +558,7 @@ def choose_quantized_tiling(weight_format: str, m: int, k: int, n: int, num_grou
         t = Tiling(t.tm // 2, t.tk, t.tn)
     tk = k if t.tk >= k else balanced_tile(k, t.tk, align)
     tm = t.tm
-    if (weight_format == "fp8" and fp8_sliced(m, num_groups, tm)
+    if (weight_format == "fp8" and fp8_sliced(m, num_groups, gen.name)
             and rows_per_group(m, num_groups) <= FP8_DECODE_TM_ROWS_PER_GROUP):
         tm = min(tm, FP8_DECODE_TM)
     if (weight_format == "mxfp4" and lhs_itemsize == 2 and gen.name in E4M3_MXU_GENERATIONS
