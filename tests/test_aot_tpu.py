@@ -72,8 +72,8 @@ def test_forward_compiles(generation, case, record_property):
 
 @pytest.mark.parametrize("generation", ["v5e", "v6e", "tpu7x"])
 @pytest.mark.parametrize("case", [(name, model_name, tokens, *shape)
-                                  for model_name, model, tokens in (("mixtral", MIXTRAL, 512), ("mixtral", MIXTRAL, 4096),
-                                                                    ("gpt-oss", GPT_OSS, 512))
+                                  # (Mixtral at 512 tokens chose the same tiles as at 4096 on all three)
+                                  for model_name, model, tokens in (("mixtral", MIXTRAL, 4096), ("gpt-oss", GPT_OSS, 512))
                                   for name, *shape in _expert_matmuls(model, tokens)],
                          ids=lambda c: f"{c[1]}-{c[0]}-{c[2]}tok")
 def test_forward_f32_out_compiles(generation, case):
