@@ -496,14 +496,15 @@ def test_compiles_for_tpu_generations(fmt_name, generation):
     gpt-oss-like shape (K = 2880: mxfp4's scales 90 lanes wide, K not a
     multiple of 128) with the rule's tiles; fp8 also at 512 and 4096 rows
     (prefill row tiles: 128 rows a group sliced on v5e / v6e / tpu7x, 1024 the
-    dequantized tile but on v5e, tiling.fp8_sliced). The full model x tokens
-    matrix is bench/aot_quantized.py."""
+    dequantized tile but on v5e, tiling.fp8_sliced); mxfp4 also at 4096 rows
+    (the dequantized tile, through e4m3 bytes for bf16). The full model x
+    tokens matrix is bench/aot_quantized.py."""
     pytest.importorskip("libtpu")
     from ragged_dot_tpu.common import aot
 
     fmt = quant_formats.weight_format(fmt_name)
     k, n, g = 2880, 384, 4
-    for m in (64, 512, 4096) if fmt_name == "fp8" else (64,):
+    for m in {"int8": (64,), "fp8": (64, 512, 4096), "mxfp4": (64, 4096)}[fmt_name]:
         aot.compile_for(generation, lambda x, v, s, gs: pallas_gmm.gmm(
             x, v, gs, rhs_scales=s, weight_format=fmt_name, generation=generation),
             ((m, k), jnp.bfloat16), (fmt.values_shape(g, n, k), jnp.dtype(fmt.values_dtype)),

@@ -67,12 +67,18 @@ format:
   HBM, sets the floor), gpt-oss-20b 8 tokens 656 -> 229, Mixtral-8x7B 8
   tokens 3303 -> 553 (bf16 1731); the threshold's figures at
   ``tiling.MXFP4_STACKED_ROWS_PER_GROUP``.
-* mxfp4 otherwise (prefill, f32 lhs, v4): e2m1 codes and e8m0 exponents
-  decoded from bits, their product is exact in bf16, written to the
-  dequantized tile. The e8m0 scale of 16 bytes is repeated along lanes by
-  one in-vreg lane gather per 128 columns. Decoding is VPU work of about ten
-  operations a weight: estimated v6e Qwen3-30B-A3B 8 tokens 609 us when
-  decode took this path (bf16 293 us).
+* mxfp4 otherwise (prefill, f32 lhs, v4): a dequantized tile. For a bf16
+  tile (rows in whole 32-row byte tiles) the nibbles become e4m3 bytes by
+  the decode path's bit operations (``_e4m3_tile``), then bf16
+  (``astype``), times 2**6, times the e8m0 scale in bf16: every step exact
+  (a power of two times a 2-bit significand; below 2**-126 flushed, as in
+  f32), taking, as the fp8 tile on v4 does, the e4m3 subnormal (e2m1 0.5)
+  to convert exactly. Estimated v6e Qwen3-30B-A3B 4096 tokens, up
+  projection 1514 -> 1370 us against each nibble decoded through f32 (int32
+  codes, a float built from bits, times the f32 scale: what an f32 tile and
+  the tails still do; a zero tile would take 704, the bf16 kernel 606). The
+  e8m0 scale of 16 bytes is repeated along lanes by one in-vreg lane gather
+  per 128 columns.
 
 Both mxfp4 paths: the two nibbles of a byte are k = 2j and 2j + 1; rather
 than interleave lanes in VMEM, the wrapper reorders lhs per K tile into
@@ -257,11 +263,20 @@ def _dequantize_mxfp4(values_ref, scales_ref, wq_ref, *, tn, tk, half, valid):
     packed_cols = tk // 2
 
     def block(rows):
+        # A bf16 tile of whole 32-row byte tiles decodes through e4m3 bytes,
+        # otherwise each nibble through f32 (module docstring).
+        through_e4m3 = wq_ref.dtype == jnp.bfloat16 and rows.size % 32 == 0
         for c0, width in _column_chunks(packed_cols):
-            even, odd = quantized.unpack_e2m1(values_ref[rows, c0:c0 + width])
             s = _e8m0_scales_per_byte(scales_ref, rows, c0, width)
-            for offset, nibbles in ((0, even), (half, odd)):
-                w = quantized.e2m1_to_f32(nibbles) * s
+            if through_e4m3:
+                words = pltpu.bitcast(values_ref[rows, c0:c0 + width], jnp.uint32)
+                s = s.astype(jnp.bfloat16)  # exact: a power of two (code 0 reads 0, 255 inf)
+                factor = jnp.asarray(E2M1_TO_E4M3_FACTOR, jnp.bfloat16)
+                halves = [(_e4m3_tile(words, high).astype(jnp.bfloat16) * factor) * s for high in (False, True)]
+            else:
+                halves = [quantized.e2m1_to_f32(nibbles) * s
+                          for nibbles in quantized.unpack_e2m1(values_ref[rows, c0:c0 + width])]
+            for offset, w in zip((0, half), halves):
                 if valid is not None:
                     w = _mask_cols(w, c0, lax.div(valid, 2))
                 wq_ref[rows, offset + c0:offset + c0 + width] = w.astype(wq_ref.dtype)
@@ -301,6 +316,12 @@ def _e2m1_to_e4m3_bits(words, high: bool):
     return ((words << u(4)) & u(E4M3_SIGNS)) | ((words << u(2)) & u(E4M3_MAGNITUDES))
 
 
+def _e4m3_tile(words, high: bool):
+    """The e4m3 tile (value: e2m1 x 2**-6) of the low (``high``: high)
+    nibbles of ``words``, the uint32 view of a packed tile."""
+    return lax.bitcast_convert_type(pltpu.bitcast(_e2m1_to_e4m3_bits(words, high), jnp.uint8), jnp.float8_e4m3fn)
+
+
 def _mxfp4_scale_rows(scales_ref, k_i, *, tk, k):
     """``[tk/32, tn]`` float32: row j holds the e8m0 scale of the tile's K
     block j for every output column: the ``[tn, tk/32]`` code block
@@ -330,8 +351,7 @@ def _mxfp4_stacked_dot(x, values_ref, scale_rows_ref, *, packed_cols: int, half:
     for c0 in range(0, packed_cols, 128):
         width = min(128, packed_cols - c0)
         words = pltpu.bitcast(values_ref[:, c0:c0 + width], jnp.uint32)  # [tn / 4, width]
-        tiles = [lax.bitcast_convert_type(pltpu.bitcast(_e2m1_to_e4m3_bits(words, high), jnp.uint8),
-                                          jnp.float8_e4m3fn) for high in (False, True)]
+        tiles = [_e4m3_tile(words, high) for high in (False, True)]
         xs = [x[:, c0:c0 + width], x[:, half + c0:half + c0 + width]]
         blocks = width // MXFP4_BLOCK_BYTES
 
@@ -375,8 +395,7 @@ def _mxfp4_few_rows_dot(x, first, count: int, values_ref, scale_rows_ref, *, pac
     for c0 in range(0, packed_cols, 128):
         width = min(128, packed_cols - c0)
         words = pltpu.bitcast(values_ref[:, c0:c0 + width], jnp.uint32)
-        tiles = [lax.bitcast_convert_type(pltpu.bitcast(_e2m1_to_e4m3_bits(words, high), jnp.uint8),
-                                          jnp.float8_e4m3fn) for high in (False, True)]
+        tiles = [_e4m3_tile(words, high) for high in (False, True)]
 
         def stacked(xh):  # [8 x count, width]: row 8 i + j keeps block j's lanes
             shape = xh.shape
