@@ -186,6 +186,50 @@ def test_forward_masked_blocks_computed_in_sub_tiles(ranges, row_sums, monkeypat
         _check(got, want, torch.float32, f"sub-tiles {ranges} causal={causal} window={window}")
 
 
+@pytest.mark.parametrize("block_k, row_sums", [(128, "mxu"), (256, "reduced")])
+def test_forward_causal_diagonal_tiles_in_one_region(block_k, row_sums, monkeypatch):
+    """A causal diagonal tile whose sub-tiles' kinds are static (the first
+    query on a key at a sub-tile boundary: unmasked below the diagonal, masked
+    on it, skipped above) computes them in one region; 128-row blocks of 32 x
+    32 sub-tiles here, square or twice as wide (diagonals at 5 offsets), 2048
+    / 512 on a TPU. Batch rows: a prefill (aligned), one whose keys start
+    inside a diagonal tile (that tile takes the sub-tile path, the next
+    diagonal is aligned), one offset by 60 keys (never aligned), one
+    left-padded and offset by two blocks (aligned) but with one query off the
+    rule (its block must read its ranges); soft-capping; poisoned outputs."""
+    monkeypatch.setattr(blocks, "ROW_SUMS_ON_MXU", frozenset({"v6e"} if row_sums == "mxu" else ()))
+    monkeypatch.setattr(blocks, "ROW_SUMS_V_DIM", 16)
+    monkeypatch.setattr(blocks, "FORWARD_COMPUTE_ROWS", 32)
+    monkeypatch.setattr(blocks, "COMPUTE_BLOCK_K", 32)
+    monkeypatch.setattr(blocks, "DECODE_MAX_ROWS", 8)
+    assert blocks.forward_compute_blocks(128, block_k) == (32, 32)
+    sq, skv = 384, 640
+    assert kr.diagonal_offsets(128, 128, 32, 32, sq=sq, causal=True, window=0) == (0,)
+    assert kr.diagonal_offsets(128, 256, 32, 32, sq=sq, causal=True, window=0) == (0, 1, 2, 3, 4)
+    assert kr.diagonal_offsets(256, 128, 32, 32, sq=sq, causal=True, window=0) == ()
+    assert kr.diagonal_offsets(128, 128, 32, 32, sq=sq, causal=True, window=30) == ()
+    assert kr.diagonal_offsets(128, 128, 128, 128, sq=sq, causal=True, window=0) == ()
+    assert kr.diagonal_offsets(128, 128, 32, 32, sq=sq + 8, causal=True, window=0) == ()
+    start, end = np.array([0, 140, 0, 5], np.int32), np.array([384, 512, 444, 640], np.int32)
+    diag = functools.partial(kr.aligned_causal_diagonal, True, block_q=128, block_k=block_k, sub_k=32, sq=sq,
+                             skv=skv)
+    if block_k == 128:
+        assert bool(diag(start[0], end[0], 0, 0, 0)) and bool(diag(start[3], end[3], 0, 2, 0))
+        assert not bool(diag(start[1], end[1], 0, 1, 0)) and bool(diag(start[1], end[1], 1, 2, 0))
+    else:
+        assert bool(diag(start[0], end[0], 1, 0, 4)) and bool(diag(start[3], end[3], 0, 1, 0))
+        assert not bool(diag(start[1], end[1], 0, 0, 4)) and bool(diag(start[1], end[1], 1, 1, 0))
+    assert not any(bool(diag(start[2], end[2], qb, kb, o)) for qb in range(3) for kb in range(5) for o in range(5))
+    q, k, v, sinks = _inputs((4, 2, 1, sq, skv, 16, 16), torch.float32, seed=31)
+    visible = reference.attention_rule_mask(start, end, sq, skv, causal=True, window=0)
+    visible[3, ..., 40, 280:] = False  # one query of row 3 off the rule, in its diagonal tile: the tile reads ranges
+    for softcap in (0.0, 20.0):
+        got = attention_tpu.attention(q, k, v, attention_mask=torch.from_numpy(visible), causal=True, sinks=sinks,
+                                      softcap=softcap, block_sizes=(128, block_k), impl="interpret")
+        want = reference.attention(q, k, v, visible, scale=0.25, softcap=softcap, sinks=sinks.numpy())
+        _check(got, want, torch.float32, f"causal diagonal tiles block_k={block_k} softcap={softcap}")
+
+
 @pytest.mark.parametrize("kv_splits", [2, 3, 5])
 def test_kv_splits_merge_to_one_softmax(kv_splits):
     """Keys split in parts whose partial softmaxes are merged: splits that see no
@@ -878,6 +922,37 @@ def test_backward_sub_tiles_match_float64_autograd(case, dq_kernel):
         got = np.asarray(got, np.float64)
         assert not np.isnan(got).any(), f"{case} d{name}: NaN, seed={SEED}"
         np.testing.assert_allclose(got, want.grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=f"{case} d{name} seed={SEED}")
+
+
+def test_backward_whole_and_causal_diagonal_tiles_in_one_region(dq_kernel):
+    """Backward tiles whose sub-tiles all run in one region: tiles every row
+    sees whole, and causal diagonals whose first query sits on their first
+    key (unmasked below the diagonal, masked on it, skipped above); 256 x 256
+    blocks of 128 x 128 sub-tiles here. Batch rows as in the forward's test
+    (aligned prefill, keys starting inside a diagonal tile, an unaligned
+    offset, left padding with one query off the rule in its diagonal tile).
+    Gradients equal float64 autograd."""
+    from attention_tpu.attention import flash_backward
+    from attention_tpu.common import pallas_helpers
+
+    b, hq, hkv, sq, skv, d = 4, 2, 1, 512, 768, 16
+    q, k, v, _ = _inputs((b, hq, hkv, sq, skv, d, d), torch.float32, seed=32)
+    start, end = np.array([0, 280, 0, 5], np.int32), np.array([512, 768, 572, 768], np.int32)
+    bounds = np.array(kr.rule_key_bounds(start, end, sq=sq, skv=skv, causal=True, window=0))
+    bounds[3, 40, 1] = 280  # off the rule, inside the tile (q block 0, kv block 1)
+    jq, jk, jv = (jnp.asarray(t.numpy()) for t in (q, k, v))
+    opts = dict(causal=True, window=0, interpret=pallas_helpers.interpret_params())
+    out, lse = flash_forward.flash_attention_with_lse(jq, jk, jv, jnp.asarray(bounds), block_sizes=(256, 256),
+                                                      **opts)
+    grads = flash_backward.flash_attention_backward(jq, jk, jv, out, lse, 2 * out, jnp.asarray(bounds),
+                                                    block_sizes=(256, 256), compute_blocks=(128, 128), **opts)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v, torch.full((hq,), -1e9))]
+    _f64_loss(*ref_leaves, torch.from_numpy(_ranges_mask(bounds, skv)), 0.0, d ** -0.5).backward()
+    for name, got, want in zip("q k v".split(), grads, ref_leaves):
+        got = np.asarray(got, np.float64)
+        assert not np.isnan(got).any(), f"{dq_kernel} d{name}, seed={SEED}"
+        np.testing.assert_allclose(got, want.grad.numpy(), rtol=1e-4, atol=1e-5,
+                                   err_msg=f"{dq_kernel} d{name} seed={SEED}")
 
 
 def test_backward_over_key_blocks_with_a_tail(dq_kernel):

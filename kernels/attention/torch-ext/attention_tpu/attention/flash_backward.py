@@ -87,6 +87,59 @@ def _load_rows(ref, rows):
     return float16_bits_to_float32(x) if x.dtype == FLOAT16_BITS else x
 
 
+def _sub_tiles_by_kind(accumulate, live_step, sub_table_ref, start_ref, end_ref, bounds_ref, *, b, q_block, kv_block,
+                       block_q, block_k, sub_q, sub_k, rows, skv, num_q_blocks, rule, lanes):
+    """Run ``accumulate(bounds, q_sub, kv_sub, rs, ks)`` on the tile's live
+    sub-tiles. A tile every row sees whole, and a causal diagonal whose
+    sub-tiles' kinds are static (``key_ranges.aligned_causal_diagonal``), run
+    all their sub-tiles in one region: there the compiler overlaps one
+    sub-tile's matmuls with another's elementwise work, while a region per
+    sub-tile runs each alone. Any other tile: each sub-tile in its own region,
+    skipped where no row sees its keys, unmasked where every row sees them
+    all (``key_ranges.tile_kinds`` on the sub-tiles' table), masked else."""
+    per_q, per_k = block_q // sub_q, block_k // sub_k
+    num_q_subs = num_q_blocks * per_q
+    tiles = list(blocks_lib.sub_tiles(block_q, block_k, sub_q, sub_k))
+    kinds, body = {}, {}
+    for i, j, rs, ks in tiles:
+        q_sub, kv_sub = q_block * per_q + i, kv_block * per_k + j
+        live, whole = kr.tile_kinds(sub_table_ref, b, q_sub, kv_sub, num_q_blocks=num_q_subs,
+                                    whole_q_blocks=rows // sub_q)
+        kinds[i, j] = (live & live_step, whole)
+        body[i, j] = functools.partial(accumulate, q_sub=q_sub, kv_sub=kv_sub, rs=rs, ks=ks)
+    all_whole = functools.reduce(jnp.logical_and, (live & whole for live, whole in kinds.values()))
+    by_kind = jnp.logical_not(all_whole)
+
+    @pl.when(all_whole)
+    def _whole():
+        for i, j, *_ in tiles:
+            body[i, j](None)
+
+    offsets = kr.diagonal_offsets(block_q, block_k, sub_q, sub_k, sq=rule.sq, causal=rule.causal, window=rule.window)
+    if offsets:
+        by_rule = functools.reduce(jnp.logical_and, (
+            kr.table_entry(sub_table_ref, b, q_block * per_q + i, kr.RULE, num_q_subs) == 1 for i in range(per_q)))
+    for offset in offsets:
+        on_diagonal = live_step & kr.aligned_causal_diagonal(by_rule, start_ref[b], end_ref[b], q_block, kv_block,
+                                                             offset, block_q=block_q, block_k=block_k, sub_k=sub_k,
+                                                             sq=rule.sq, skv=skv)
+        by_kind &= jnp.logical_not(on_diagonal)
+
+        @pl.when(on_diagonal)
+        def _diagonal(offset=offset):
+            for i, j, masked in kr.diagonal_sub_tiles(per_q, offset):
+                body[i, j](kr.rule_row_bounds(rule, start_ref[b], end_ref[b], q_block * per_q + i, lanes=lanes)
+                           if masked else None)
+
+    for i, j, rs, _ in tiles:
+        live, whole = kinds[i, j]
+        pl.when(by_kind & live & whole)(lambda f=body[i, j]: f(None))
+        kr.masked_regions(by_kind & live & jnp.logical_not(whole),
+                          kr.table_entry(sub_table_ref, b, q_block * per_q + i, kr.RULE, num_q_subs) == 1,
+                          lambda lo, hi, f=body[i, j]: f((lo, hi)), rule=rule, start_ref=start_ref, end_ref=end_ref,
+                          bounds_ref=bounds_ref, b=b, q_block=q_block * per_q + i, bounds_rows=rs, lanes=lanes)
+
+
 def _dkv_kernel(sub_table_ref, q_range_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                 bounds_ref, *refs, block_q, block_k, sub_q, sub_k, rows, skv, softcap, scale, num_q_blocks,
                 num_kv_blocks, first_kv_block: int, walk, rule, fused_dq: bool):
@@ -100,8 +153,6 @@ def _dkv_kernel(sub_table_ref, q_range_ref, start_ref, end_ref, q_ref, k_ref, v_
                                         for_dma=False)
     first_step = (head == 0) & (step == 0)
     last_step = (head == pl.num_programs(3) - 1) & (step == pl.num_programs(4) - 1)
-    per_q, per_k = block_q // sub_q, block_k // sub_k
-    num_q_subs = num_q_blocks * per_q
 
     @pl.when(first_step)
     def _init():
@@ -141,19 +192,9 @@ def _dkv_kernel(sub_table_ref, q_range_ref, start_ref, end_ref, q_ref, k_ref, v_
         if fused_dq:
             dq_part_ref[rs, :] += dot_f32(ds_t.T.astype(k.dtype), k, 1, 0)
 
-    # Each sub-tile on its own: skipped where no row sees its keys, unmasked
-    # where every row sees them all (key_ranges.tile_kinds on the sub-tiles' table).
-    for i, j, rs, ks in blocks_lib.sub_tiles(block_q, block_k, sub_q, sub_k):
-        q_sub, kv_sub = q_block * per_q + i, kv_block * per_k + j
-        live, whole = kr.tile_kinds(sub_table_ref, b, q_sub, kv_sub, num_q_blocks=num_q_subs,
-                                    whole_q_blocks=rows // sub_q)
-        live &= in_walk
-        body = functools.partial(accumulate, q_sub=q_sub, kv_sub=kv_sub, rs=rs, ks=ks)
-        pl.when(live & whole)(lambda body=body: body(None))
-        kr.masked_regions(live & jnp.logical_not(whole),
-                          kr.table_entry(sub_table_ref, b, q_sub, kr.RULE, num_q_subs) == 1,
-                          lambda lo, hi, body=body: body((lo, hi)), rule=rule, start_ref=start_ref, end_ref=end_ref,
-                          bounds_ref=bounds_ref, b=b, q_block=q_sub, bounds_rows=rs, lanes=True)
+    _sub_tiles_by_kind(accumulate, in_walk, sub_table_ref, start_ref, end_ref, bounds_ref, b=b, q_block=q_block,
+                       kv_block=kv_block, block_q=block_q, block_k=block_k, sub_q=sub_q, sub_k=sub_k, rows=rows,
+                       skv=skv, num_q_blocks=num_q_blocks, rule=rule, lanes=True)
 
     @pl.when(last_step)
     def _store():
@@ -166,8 +207,6 @@ def _dq_kernel(table_ref, sub_table_ref, start_ref, end_ref, q_ref, k_ref, v_ref
                rule):
     b, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     kv_block = kr.table_entry(table_ref, b, q_block, kr.FIRST, num_q_blocks) + step  # walks from the first visible
-    per_q, per_k = block_q // sub_q, block_k // sub_k
-    num_q_subs = num_q_blocks * per_q
 
     @pl.when(step == 0)
     def _init():
@@ -182,16 +221,9 @@ def _dq_kernel(table_ref, sub_table_ref, start_ref, end_ref, q_ref, k_ref, v_ref
         ds = _logit_grads(_load_rows(do_ref, rs), v, delta_ref[rs, :], p, t)
         dq_acc[rs, :] += dot_f32(ds.astype(k.dtype), k, 1, 0)
 
-    for i, j, rs, ks in blocks_lib.sub_tiles(block_q, block_k, sub_q, sub_k):
-        q_sub, kv_sub = q_block * per_q + i, kv_block * per_k + j
-        live, whole = kr.tile_kinds(sub_table_ref, b, q_sub, kv_sub, num_q_blocks=num_q_subs,
-                                    whole_q_blocks=rows // sub_q)
-        body = functools.partial(accumulate, q_sub=q_sub, kv_sub=kv_sub, rs=rs, ks=ks)
-        pl.when(live & whole)(lambda body=body: body(None))
-        kr.masked_regions(live & jnp.logical_not(whole),
-                          kr.table_entry(sub_table_ref, b, q_sub, kr.RULE, num_q_subs) == 1,
-                          lambda lo, hi, body=body: body((lo, hi)), rule=rule, start_ref=start_ref, end_ref=end_ref,
-                          bounds_ref=bounds_ref, b=b, q_block=q_sub, bounds_rows=rs)
+    _sub_tiles_by_kind(accumulate, True, sub_table_ref, start_ref, end_ref, bounds_ref, b=b, q_block=q_block,
+                       kv_block=kv_block, block_q=block_q, block_k=block_k, sub_q=sub_q, sub_k=sub_k, rows=rows,
+                       skv=skv, num_q_blocks=num_q_blocks, rule=rule, lanes=False)
 
     @pl.when(step == pl.num_programs(3) - 1)
     def _store():

@@ -52,7 +52,8 @@ from .softmax_tiles import LOG2_E, STAT_LANES, finished_rows, online_softmax_ste
 
 def _flash_kernel(table_ref, sub_table_ref, steps_ref, start_ref, end_ref, q_ref, k_ref, v_ref, bounds_ref, o_ref,
                   lse_ref, m_ref, l_ref, acc_ref, *, block_q: int, block_k: int, sub_q: int, sub_k: int, skv: int,
-                  softcap: float, scale: float, num_q_blocks: int, rule: kr.KernelRule, sum_on_mxu: bool):
+                  softcap: float, scale: float, num_q_blocks: int, rule: kr.KernelRule, sum_on_mxu: bool,
+                  diagonal_offsets: tuple[int, ...]):
     b, split, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     entry = functools.partial(kr.table_entry, table_ref, b, q_block, num_q_blocks=num_q_blocks)
     kv_block = kr.kv_block_of_step(entry, split, step, pl.num_programs(4))
@@ -111,12 +112,33 @@ def _flash_kernel(table_ref, sub_table_ref, steps_ref, start_ref, end_ref, q_ref
                               lambda lo, hi, body=body: body((lo, hi)), rule=rule, start_ref=start_ref,
                               end_ref=end_ref, bounds_ref=bounds_ref, b=b, q_block=q_sub, bounds_rows=rs)
 
+    # A causal diagonal (a prefill's): its sub-tiles' kinds are known statically
+    # (key_ranges.diagonal_sub_tiles), so all of them run in one region, where
+    # the compiler overlaps one sub-tile's matmuls with another's softmax;
+    # region by region each sub-tile waited on its own.
+    def diagonal(offset):
+        q = lo = hi = None
+        for i, j, masked_sub in kr.diagonal_sub_tiles(per_q, offset):
+            rows = pl.ds(i * sub_q, sub_q)
+            if j == 0:
+                q = load(q_ref.at[rows])
+                lo, hi = kr.rule_row_bounds(rule, start_ref[b], end_ref[b], q_block * per_q + i)
+            fold(q, rows, j, (lo, hi) if masked_sub else None)
+
+    masked = live & jnp.logical_not(whole)
     if per_q == per_k == 1:  # the block is its one sub-tile (window and decode tiles): no second table check
-        kr.masked_regions(live & jnp.logical_not(whole), entry(kr.RULE) == 1,
+        kr.masked_regions(masked, entry(kr.RULE) == 1,
                           lambda lo, hi: fold(load(q_ref), slice(None), 0, (lo, hi)), rule=rule, start_ref=start_ref,
                           end_ref=end_ref, bounds_ref=bounds_ref, b=b, q_block=q_block)
     else:
-        pl.when(live & jnp.logical_not(whole))(edge)
+        by_sub_tile = masked
+        for offset in diagonal_offsets:
+            on_diagonal = masked & kr.aligned_causal_diagonal(
+                entry(kr.RULE) == 1, start_ref[b], end_ref[b], q_block, kv_block, offset, block_q=block_q,
+                block_k=block_k, sub_k=sub_k, sq=rule.sq, skv=skv)
+            pl.when(on_diagonal)(functools.partial(diagonal, offset))
+            by_sub_tile &= jnp.logical_not(on_diagonal)
+        pl.when(by_sub_tile)(edge)
 
     @pl.when(step == pl.num_programs(4) - 1)
     def _finish():
@@ -266,7 +288,9 @@ def _grid_forward(q, k, v, key_bounds, bounds, start, end, table, sub_table, pla
     kernel = functools.partial(_flash_kernel, block_q=block_q, block_k=block_k, sub_q=sub_q, sub_k=sub_k, skv=skv,
                                softcap=float(softcap), scale=float(scale), num_q_blocks=plan.num_q_blocks,
                                rule=kr.KernelRule(sub_q, sq, skv, causal, window),
-                               sum_on_mxu=blocks_lib.row_sums_on_mxu(generation, dv))
+                               sum_on_mxu=blocks_lib.row_sums_on_mxu(generation, dv),
+                               diagonal_offsets=kr.diagonal_offsets(block_q, block_k, sub_q, sub_k, sq=sq,
+                                                                    causal=causal, window=window))
     # One split: the final output in the kernel's dtype of q; several: f32 partials to merge.
     out_dtype = kernel_dtype(q.dtype) if splits == 1 else jnp.float32
     operands = (q, k, v, key_bounds)

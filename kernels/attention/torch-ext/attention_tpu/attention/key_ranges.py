@@ -306,6 +306,41 @@ def rule_row_bounds(rule: KernelRule, start, end, q_block, *, lanes: bool = Fals
     return jnp.broadcast_to(lo, rows.shape), jnp.broadcast_to(hi, rows.shape)
 
 
+def diagonal_offsets(block_q: int, block_k: int, sub_q: int, sub_k: int, *, sq: int, causal: bool,
+                     window: int) -> tuple[int, ...]:
+    """The offsets ``d`` (in sub-tiles) at which a tile can hold a causal
+    diagonal whose sub-tiles' kinds are static (``aligned_causal_diagonal``):
+    ``0 .. per_k - per_q`` for causal attention without a window, square
+    sub-tiles, more than one of them, and query blocks that never straddle
+    two heads' rows; none otherwise."""
+    per_q, per_k = block_q // sub_q, block_k // sub_k
+    if not causal or window or sub_q != sub_k or per_q * per_k == 1 or sq % block_q or per_k < per_q:
+        return ()
+    return tuple(range(per_k - per_q + 1))
+
+
+def aligned_causal_diagonal(by_rule, start, end, q_block, kv_block, offset: int, *, block_q: int, block_k: int,
+                            sub_k: int, sq: int, skv: int):
+    """Is this tile a causal diagonal at ``offset`` sub-tiles: its rows follow
+    the rule (``by_rule``), the first row's position is the tile's key ``offset
+    * sub_k``, the batch row's keys start at or before the tile and end within
+    ``skv``. Row ``r`` then sees the tile's keys ``[0, offset * sub_k + r]``:
+    with square sub-tiles, sub-tile ``(i, j)`` is unmasked for ``j < i +
+    offset``, masked for ``j = i + offset`` and skipped beyond, whatever the
+    data (``diagonal_sub_tiles``; only at ``diagonal_offsets``)."""
+    first_key = kv_block * block_k
+    first_pos = end - sq + _rem(q_block * block_q, sq)
+    return by_rule & (first_pos == first_key + offset * sub_k) & (start <= first_key) & (end <= skv)
+
+
+def diagonal_sub_tiles(per_q: int, offset: int):
+    """``(i, j, masked)`` of the sub-tiles a causal diagonal at ``offset``
+    computes (``aligned_causal_diagonal``), row sub-block by row sub-block."""
+    for i in range(per_q):
+        for j in range(i + offset + 1):
+            yield i, j, j == i + offset
+
+
 def read_row_bounds(bounds_ref, rows=slice(None)):
     """``(lo, hi)`` as ``[block_q, 1]`` columns read from the block's ranges
     (``rows``: a static slice of them, a sub-tile's)."""
