@@ -133,11 +133,14 @@ def test_several_blocks_with_tails_and_skipping(block_sizes):
 
 
 def test_forward_tiles_computed_in_key_sub_blocks():
-    """Prefill tiles of 1024 keys computed in 512-key sub-blocks: interior and
-    masked tiles, a tail block (2100 keys) whose garbage rows are zeroed per
-    sub-block, windows and left padding; poisoned outputs."""
-    assert blocks.compute_block_k(136, 1024) == blocks.COMPUTE_BLOCK_K == 512
+    """Prefill tiles of 1024 keys computed in pieces: interior tiles in 256-key
+    folds, masked ones in 512-key sub-blocks; a tail block (2100 keys) whose
+    garbage rows are zeroed per sub-block, windows and left padding; poisoned
+    outputs."""
+    assert blocks.compute_block_k(136, 1024) == blocks.COMPUTE_BLOCK_K == 256
+    assert blocks.forward_compute_blocks(136, 1024) == (136, blocks.FORWARD_COMPUTE_KEYS) == (136, 512)
     assert blocks.compute_block_k(8, 4096) == 4096  # decode tiles stay whole
+    assert blocks.compute_block_k(1024, 512) == 512  # window tiles too
     q, k, v, sinks = _inputs((2, 4, 2, 80, 2100, 16, 16), torch.float32, seed=21)
     start, end = np.array([0, 300], np.int32), np.array([2100, 1900], np.int32)
     for causal, window in ((True, 0), (True, 700), (False, 0)):
@@ -163,10 +166,11 @@ def test_forward_masked_blocks_computed_in_sub_tiles(ranges, row_sums, monkeypat
     assert not blocks.row_sums_on_mxu("v6e", 64)
     monkeypatch.setattr(blocks, "ROW_SUMS_ON_MXU", frozenset({"v6e"} if row_sums == "mxu" else ()))
     monkeypatch.setattr(blocks, "ROW_SUMS_V_DIM", 16)  # this test's V rows
-    assert blocks.forward_compute_blocks(2048, 2048) == (blocks.FORWARD_COMPUTE_ROWS, blocks.COMPUTE_BLOCK_K)
+    assert blocks.forward_compute_blocks(2048, 2048) == (blocks.FORWARD_COMPUTE_ROWS, blocks.FORWARD_COMPUTE_KEYS)
     assert blocks.forward_compute_blocks(512, 512) == (512, 512)  # window tiles stay whole
     assert blocks.forward_compute_blocks(8, 4096) == (8, 4096)  # decode tiles too
     monkeypatch.setattr(blocks, "FORWARD_COMPUTE_ROWS", 16)
+    monkeypatch.setattr(blocks, "FORWARD_COMPUTE_KEYS", 128)
     monkeypatch.setattr(blocks, "COMPUTE_BLOCK_K", 128)
     monkeypatch.setattr(blocks, "DECODE_MAX_ROWS", 8)  # 48-row tiles count as prefill tiles
     assert blocks.forward_compute_blocks(48, 512) == (16, 128)
@@ -191,18 +195,21 @@ def test_forward_causal_diagonal_tiles_in_one_region(block_k, row_sums, monkeypa
     """A causal diagonal tile whose sub-tiles' kinds are static (the first
     query on a key at a sub-tile boundary: unmasked below the diagonal, masked
     on it, skipped above) computes them in one region; 128-row blocks of 32 x
-    32 sub-tiles here, square or twice as wide (diagonals at 5 offsets), 2048
-    / 512 on a TPU. Batch rows: a prefill (aligned), one whose keys start
+    32 sub-tiles here (other masked tiles: 64 x 64), square or twice as wide
+    (diagonals at 5 offsets); 2048-blocks of 256 (512) on a TPU. Batch rows: a prefill (aligned), one whose keys start
     inside a diagonal tile (that tile takes the sub-tile path, the next
     diagonal is aligned), one offset by 60 keys (never aligned), one
     left-padded and offset by two blocks (aligned) but with one query off the
     rule (its block must read its ranges); soft-capping; poisoned outputs."""
     monkeypatch.setattr(blocks, "ROW_SUMS_ON_MXU", frozenset({"v6e"} if row_sums == "mxu" else ()))
     monkeypatch.setattr(blocks, "ROW_SUMS_V_DIM", 16)
-    monkeypatch.setattr(blocks, "FORWARD_COMPUTE_ROWS", 32)
-    monkeypatch.setattr(blocks, "COMPUTE_BLOCK_K", 32)
+    monkeypatch.setattr(blocks, "FORWARD_COMPUTE_ROWS", 64)  # the other masked tiles' sub-tiles
+    monkeypatch.setattr(blocks, "FORWARD_COMPUTE_KEYS", 64)
+    monkeypatch.setattr(blocks, "COMPUTE_BLOCK_K", 32)  # interior folds
+    monkeypatch.setattr(blocks, "DIAGONAL_SUB_TILE", 32)
     monkeypatch.setattr(blocks, "DECODE_MAX_ROWS", 8)
-    assert blocks.forward_compute_blocks(128, block_k) == (32, 32)
+    assert blocks.forward_compute_blocks(128, block_k) == (64, 64)
+    assert blocks.diagonal_sub_tile(128, block_k) == 32 and blocks.diagonal_sub_tile(80, 128) == 0
     sq, skv = 384, 640
     assert kr.diagonal_offsets(128, 128, 32, 32, sq=sq, causal=True, window=0) == (0,)
     assert kr.diagonal_offsets(128, 256, 32, 32, sq=sq, causal=True, window=0) == (0, 1, 2, 3, 4)

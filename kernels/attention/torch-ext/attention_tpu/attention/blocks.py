@@ -245,8 +245,10 @@ DECODE_BLOCK_K = 4096
 # took 2048 until the decode kernel computed its heads' scores first).
 DECODE_CHUNKS = {"v5e": 1024, "v6e": 1024, "tpu7x": 1024}
 MIN_BLOCK_K = 512
-COMPUTE_BLOCK_K = 512
+COMPUTE_BLOCK_K = 256
 FORWARD_COMPUTE_ROWS = 512
+FORWARD_COMPUTE_KEYS = 512
+DIAGONAL_SUB_TILE = 256
 # Generations whose forward takes a tile's row sums from the MXU (module docstring).
 ROW_SUMS_ON_MXU = frozenset({"v6e"})
 ROW_SUMS_V_DIM = 128
@@ -281,24 +283,39 @@ def choose_blocks(rows: int, kv_len: int, *, head_dim: int = 128, v_dim: int | N
     return block_q, (kv_len if kv_len <= block_k else block_k)
 
 
+def _splits_keys(block_q: int, block_k: int) -> bool:
+    """Is this a prefill tile computed in pieces: more keys than a window tile
+    (``FORWARD_COMPUTE_KEYS``; window and decode tiles stay whole: their
+    per-piece set-up would outweigh what the pieces skip)."""
+    return block_q > DECODE_MAX_ROWS and block_k > FORWARD_COMPUTE_KEYS and block_k % FORWARD_COMPUTE_KEYS == 0
+
+
 def compute_block_k(block_q: int, block_k: int) -> int:
-    """Keys per compute sub-block of a forward tile: ``COMPUTE_BLOCK_K`` for a
-    prefill tile whose keys it divides, else the whole tile (decode tiles are
-    a few rows: splitting them only adds steps)."""
-    if block_q > DECODE_MAX_ROWS and block_k > COMPUTE_BLOCK_K and block_k % COMPUTE_BLOCK_K == 0:
+    """Keys per fold of a forward tile every row sees whole: ``COMPUTE_BLOCK_K``
+    for a prefill tile split in pieces, else the whole tile."""
+    if _splits_keys(block_q, block_k) and block_k % COMPUTE_BLOCK_K == 0:
         return COMPUTE_BLOCK_K
     return block_k
 
 
 def forward_compute_blocks(block_q: int, block_k: int) -> tuple[int, int]:
-    """The forward's compute sub-tiles ``(sub_q, sub_k)`` of a ``(block_q,
-    block_k)`` tile: ``compute_block_k`` keys, and ``FORWARD_COMPUTE_ROWS`` rows
-    where they divide a prefill tile split in key sub-blocks (else all rows).
-    Only masked tiles are cut by rows: each sub-tile is then skipped, unmasked
-    or masked on its own from the sub-tiles' visit table."""
-    sub_k = compute_block_k(block_q, block_k)
-    split_rows = sub_k < block_k and block_q > FORWARD_COMPUTE_ROWS and block_q % FORWARD_COMPUTE_ROWS == 0
-    return (FORWARD_COMPUTE_ROWS if split_rows else block_q), sub_k
+    """The forward's masked-tile sub-tiles ``(sub_q, sub_k)`` of a ``(block_q,
+    block_k)`` tile: ``FORWARD_COMPUTE_KEYS`` keys, and ``FORWARD_COMPUTE_ROWS``
+    rows where they divide a prefill tile split in pieces (else all rows; a
+    tile not split is its one sub-tile). Each sub-tile is skipped, unmasked or
+    masked on its own from the sub-tiles' visit table."""
+    if not _splits_keys(block_q, block_k):
+        return block_q, block_k
+    split_rows = block_q > FORWARD_COMPUTE_ROWS and block_q % FORWARD_COMPUTE_ROWS == 0
+    return (FORWARD_COMPUTE_ROWS if split_rows else block_q), FORWARD_COMPUTE_KEYS
+
+
+def diagonal_sub_tile(block_q: int, block_k: int) -> int:
+    """The square sub-tiles a causal diagonal whose sub-tiles' kinds are static
+    is computed in (``key_ranges.aligned_causal_diagonal``): ``DIAGONAL_SUB_TILE``
+    where it divides a prefill tile split in pieces, else 0 (none)."""
+    size = DIAGONAL_SUB_TILE
+    return size if _splits_keys(block_q, block_k) and block_q % size == 0 and block_k % size == 0 else 0
 
 
 def row_sums_on_mxu(generation: str | None, v_dim: int) -> bool:

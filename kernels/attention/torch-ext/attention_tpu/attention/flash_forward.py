@@ -51,9 +51,9 @@ from .softmax_tiles import LOG2_E, STAT_LANES, finished_rows, online_softmax_ste
 
 
 def _flash_kernel(table_ref, sub_table_ref, steps_ref, start_ref, end_ref, q_ref, k_ref, v_ref, bounds_ref, o_ref,
-                  lse_ref, m_ref, l_ref, acc_ref, *, block_q: int, block_k: int, sub_q: int, sub_k: int, skv: int,
-                  softcap: float, scale: float, num_q_blocks: int, rule: kr.KernelRule, sum_on_mxu: bool,
-                  diagonal_offsets: tuple[int, ...]):
+                  lse_ref, m_ref, l_ref, acc_ref, *, block_q: int, block_k: int, sub_q: int, sub_k: int, fold_k: int,
+                  diagonal_tile: int, skv: int,
+                  softcap: float, scale: float, num_q_blocks: int, rule: kr.KernelRule, sum_on_mxu: bool):
     b, split, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     entry = functools.partial(kr.table_entry, table_ref, b, q_block, num_q_blocks=num_q_blocks)
     kv_block = kr.kv_block_of_step(entry, split, step, pl.num_programs(4))
@@ -69,30 +69,30 @@ def _flash_kernel(table_ref, sub_table_ref, steps_ref, start_ref, end_ref, q_ref
     exp = jnp.exp2 if base2 else jnp.exp
     per_q, per_k = block_q // sub_q, block_k // sub_k
 
-    def fold(q, rows, j, masked_by):
-        """Fold the ``j``-th ``sub_k`` keys of the block into the running softmax
+    def fold(q, rows, j, masked_by, width=sub_k):
+        """Fold the ``j``-th ``width`` keys of the block into the running softmax
         of ``rows`` (queries ``q``); ``masked_by``: their ``(lo, hi)`` columns."""
-        keys = pl.ds(j * sub_k, sub_k)
-        s = tile_scores(q, load(k_ref.at[keys]), softcap=softcap, scale=scale)  # [rows, sub_k]
+        keys = pl.ds(j * width, width)
+        s = tile_scores(q, load(k_ref.at[keys]), softcap=softcap, scale=scale)  # [rows, width]
         v = load(v_ref.at[keys])
         if masked_by is not None:
             lo, hi = masked_by
-            first = kv_block * block_k + j * sub_k
-            key_ids = first + lax.broadcasted_iota(jnp.int32, (1, sub_k), 1)
+            first = kv_block * block_k + j * width
+            key_ids = first + lax.broadcasted_iota(jnp.int32, (1, width), 1)
             s = jnp.where((key_ids >= lo) & (key_ids < hi), s, -jnp.inf)
             if skv % block_k:  # the tail block holds rows past Skv: garbage, zeroed (0 * NaN is NaN)
-                key_rows = first + lax.broadcasted_iota(jnp.int32, (sub_k, 1), 0)
+                key_rows = first + lax.broadcasted_iota(jnp.int32, (width, 1), 0)
                 v = jnp.where(key_rows < skv, v.astype(jnp.float32), 0.0).astype(v.dtype)
         online_softmax_step(s, v, m_ref.at[rows], l_ref.at[rows], acc_ref.at[rows], masked=masked_by is not None,
                             exp=exp, sum_on_mxu=sum_on_mxu)
 
-    # Every row sees every key of the block: all rows at once, in key sub-blocks
-    # of sub_k ([block_q, sub_k] f32 temporaries instead of [block_q, block_k]).
+    # Every row sees every key of the block: all rows at once, in key folds of
+    # fold_k ([block_q, fold_k] f32 temporaries instead of [block_q, block_k]).
     @pl.when(live & whole)
     def _interior():
         q = load(q_ref)
-        for j in range(per_k):
-            fold(q, slice(None), j, None)
+        for j in range(block_k // fold_k):
+            fold(q, slice(None), j, None, fold_k)
 
     # A masked block, sub-tile by sub-tile: each skipped where no row sees its
     # keys, unmasked where every row sees them all (the sub-tiles' visit table:
@@ -117,13 +117,14 @@ def _flash_kernel(table_ref, sub_table_ref, steps_ref, start_ref, end_ref, q_ref
     # the compiler overlaps one sub-tile's matmuls with another's softmax;
     # region by region each sub-tile waited on its own.
     def diagonal(offset):
-        q = lo = hi = None
-        for i, j, masked_sub in kr.diagonal_sub_tiles(per_q, offset):
-            rows = pl.ds(i * sub_q, sub_q)
+        size, q = diagonal_tile, None
+        for i, j, masked_sub in kr.diagonal_sub_tiles(block_q // size, offset):
+            rows = pl.ds(i * size, size)
             if j == 0:
                 q = load(q_ref.at[rows])
-                lo, hi = kr.rule_row_bounds(rule, start_ref[b], end_ref[b], q_block * per_q + i)
-            fold(q, rows, j, (lo, hi) if masked_sub else None)
+            bounds = kr.rule_row_bounds(rule, start_ref[b], end_ref[b], None,
+                                        rows=(q_block * block_q + i * size, size)) if masked_sub else None
+            fold(q, rows, j, bounds, size)
 
     masked = live & jnp.logical_not(whole)
     if per_q == per_k == 1:  # the block is its one sub-tile (window and decode tiles): no second table check
@@ -132,10 +133,12 @@ def _flash_kernel(table_ref, sub_table_ref, steps_ref, start_ref, end_ref, q_ref
                           end_ref=end_ref, bounds_ref=bounds_ref, b=b, q_block=q_block)
     else:
         by_sub_tile = masked
-        for offset in diagonal_offsets:
+        offsets = kr.diagonal_offsets(block_q, block_k, diagonal_tile, diagonal_tile, sq=rule.sq, causal=rule.causal,
+                                      window=rule.window) if diagonal_tile else ()
+        for offset in offsets:
             on_diagonal = masked & kr.aligned_causal_diagonal(
                 entry(kr.RULE) == 1, start_ref[b], end_ref[b], q_block, kv_block, offset, block_q=block_q,
-                block_k=block_k, sub_k=sub_k, sq=rule.sq, skv=skv)
+                block_k=block_k, sub_k=diagonal_tile, sq=rule.sq, skv=skv)
             pl.when(on_diagonal)(functools.partial(diagonal, offset))
             by_sub_tile &= jnp.logical_not(on_diagonal)
         pl.when(by_sub_tile)(edge)
@@ -289,8 +292,8 @@ def _grid_forward(q, k, v, key_bounds, bounds, start, end, table, sub_table, pla
                                softcap=float(softcap), scale=float(scale), num_q_blocks=plan.num_q_blocks,
                                rule=kr.KernelRule(sub_q, sq, skv, causal, window),
                                sum_on_mxu=blocks_lib.row_sums_on_mxu(generation, dv),
-                               diagonal_offsets=kr.diagonal_offsets(block_q, block_k, sub_q, sub_k, sq=sq,
-                                                                    causal=causal, window=window))
+                               fold_k=blocks_lib.compute_block_k(block_q, block_k),
+                               diagonal_tile=blocks_lib.diagonal_sub_tile(block_q, block_k))
     # One split: the final output in the kernel's dtype of q; several: f32 partials to merge.
     out_dtype = kernel_dtype(q.dtype) if splits == 1 else jnp.float32
     operands = (q, k, v, key_bounds)

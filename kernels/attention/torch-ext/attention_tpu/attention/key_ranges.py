@@ -295,12 +295,14 @@ def _rem(a, b):
     return lax.rem(a, jnp.int32(b) if isinstance(b, int) else b)
 
 
-def rule_row_bounds(rule: KernelRule, start, end, q_block, *, lanes: bool = False):
+def rule_row_bounds(rule: KernelRule, start, end, q_block, *, lanes: bool = False, rows: tuple | None = None):
     """``(lo, hi)`` as ``[block_q, 1]`` columns from the rule on iotas:
     broadcasting them over a tile costs no cross-lane work. ``lanes``: as
-    ``[1, block_q]`` rows, for a tile with the queries along its lanes."""
-    shape, axis = ((1, rule.block_q), 1) if lanes else ((rule.block_q, 1), 0)
-    rows = q_block * rule.block_q + lax.broadcasted_iota(jnp.int32, shape, axis)
+    ``[1, block_q]`` rows, for a tile with the queries along its lanes.
+    ``rows``: ``(first, count)`` rows instead of block ``q_block``'s."""
+    first, count = (q_block * rule.block_q, rule.block_q) if rows is None else rows
+    shape, axis = ((1, count), 1) if lanes else ((count, 1), 0)
+    rows = first + lax.broadcasted_iota(jnp.int32, shape, axis)
     pos = end - rule.sq + (_rem(rows, rule.sq) if rule.sq > 1 else 0)
     lo, hi = rule_range(start, end, pos, skv=rule.skv, causal=rule.causal, window=rule.window, clip=jnp.clip)
     return jnp.broadcast_to(lo, rows.shape), jnp.broadcast_to(hi, rows.shape)
