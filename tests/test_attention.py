@@ -190,51 +190,60 @@ def test_forward_masked_blocks_computed_in_sub_tiles(ranges, row_sums, monkeypat
         _check(got, want, torch.float32, f"sub-tiles {ranges} causal={causal} window={window}")
 
 
-@pytest.mark.parametrize("block_k, row_sums", [(128, "mxu"), (256, "reduced")])
-def test_forward_causal_diagonal_tiles_in_one_region(block_k, row_sums, monkeypatch):
-    """A causal diagonal tile whose sub-tiles' kinds are static (the first
-    query on a key at a sub-tile boundary: unmasked below the diagonal, masked
-    on it, skipped above) computes them in one region; 128-row blocks of 32 x
-    32 sub-tiles here (other masked tiles: 64 x 64), square or twice as wide
-    (diagonals at 5 offsets); 2048-blocks of 256 (512) on a TPU. Batch rows: a prefill (aligned), one whose keys start
-    inside a diagonal tile (that tile takes the sub-tile path, the next
-    diagonal is aligned), one offset by 60 keys (never aligned), one
-    left-padded and offset by two blocks (aligned) but with one query off the
-    rule (its block must read its ranges); soft-capping; poisoned outputs."""
+@pytest.mark.parametrize("block_k, window, row_sums", [(128, 0, "mxu"), (256, 0, "reduced"), (128, 24, "reduced")])
+def test_forward_static_sub_tiles_in_one_region(block_k, window, row_sums, monkeypatch):
+    """A tile whose sub-tiles' kinds are static (the first query on a key at a
+    whole query block's offset: a causal diagonal, a short window's tiles)
+    computes them in one region, skipping those no row sees and masking only
+    those the diagonal or the window's edge crosses; 128-row blocks of 32 x 32
+    sub-tiles here (other masked tiles: 64 x 64), square or twice as wide
+    (2048-blocks of 256 (512) on a TPU), and whole 128-blocks of a 24-key
+    window (512 of 256 for gpt-oss's 128). Batch rows: a prefill (aligned),
+    one whose keys start inside a diagonal tile (that tile takes the sub-tile
+    path, the next diagonal is aligned), one offset by 60 keys (never
+    aligned), one left-padded and offset by two blocks (aligned) but with one
+    query off the rule (its block must read its ranges); soft-capping;
+    poisoned outputs."""
     monkeypatch.setattr(blocks, "ROW_SUMS_ON_MXU", frozenset({"v6e"} if row_sums == "mxu" else ()))
     monkeypatch.setattr(blocks, "ROW_SUMS_V_DIM", 16)
     monkeypatch.setattr(blocks, "FORWARD_COMPUTE_ROWS", 64)  # the other masked tiles' sub-tiles
-    monkeypatch.setattr(blocks, "FORWARD_COMPUTE_KEYS", 64)
+    monkeypatch.setattr(blocks, "FORWARD_COMPUTE_KEYS", 128 if window else 64)  # window tiles stay whole
     monkeypatch.setattr(blocks, "COMPUTE_BLOCK_K", 32)  # interior folds
     monkeypatch.setattr(blocks, "DIAGONAL_SUB_TILE", 32)
+    monkeypatch.setattr(blocks, "WINDOW_SUB_TILE", 32)
     monkeypatch.setattr(blocks, "DECODE_MAX_ROWS", 8)
-    assert blocks.forward_compute_blocks(128, block_k) == (64, 64)
-    assert blocks.diagonal_sub_tile(128, block_k) == 32 and blocks.diagonal_sub_tile(80, 128) == 0
+    assert blocks.static_sub_tile(128, block_k, window) == 32 and blocks.static_sub_tile(80, 128, window) == 0
     sq, skv = 384, 640
-    assert kr.diagonal_offsets(128, 128, 32, 32, sq=sq, causal=True, window=0) == (0,)
-    assert kr.diagonal_offsets(128, 256, 32, 32, sq=sq, causal=True, window=0) == (0, 1, 2, 3, 4)
-    assert kr.diagonal_offsets(256, 128, 32, 32, sq=sq, causal=True, window=0) == ()
-    assert kr.diagonal_offsets(128, 128, 32, 32, sq=sq, causal=True, window=30) == ()
-    assert kr.diagonal_offsets(128, 128, 128, 128, sq=sq, causal=True, window=0) == ()
-    assert kr.diagonal_offsets(128, 128, 32, 32, sq=sq + 8, causal=True, window=0) == ()
-    start, end = np.array([0, 140, 0, 5], np.int32), np.array([384, 512, 444, 640], np.int32)
-    diag = functools.partial(kr.aligned_causal_diagonal, True, block_q=128, block_k=block_k, sub_k=32, sq=sq,
-                             skv=skv)
-    if block_k == 128:
-        assert bool(diag(start[0], end[0], 0, 0, 0)) and bool(diag(start[3], end[3], 0, 2, 0))
-        assert not bool(diag(start[1], end[1], 0, 1, 0)) and bool(diag(start[1], end[1], 1, 2, 0))
+    if window:
+        assert blocks.forward_compute_blocks(128, block_k) == (128, 128)
+        assert blocks.static_sub_tile(128, 128, 40) == 0  # a window longer than a sub-tile: tiles stay whole
+        assert kr.static_offsets(128, 128, 32, sq=sq, causal=True, window=window) == (0, 4)
+        assert list(kr.static_sub_tiles(4, 4, 4, 32, window)) == [(0, 3, True)]
     else:
-        assert bool(diag(start[0], end[0], 1, 0, 4)) and bool(diag(start[3], end[3], 0, 1, 0))
-        assert not bool(diag(start[1], end[1], 0, 0, 4)) and bool(diag(start[1], end[1], 1, 1, 0))
-    assert not any(bool(diag(start[2], end[2], qb, kb, o)) for qb in range(3) for kb in range(5) for o in range(5))
+        assert blocks.forward_compute_blocks(128, block_k) == (64, 64)
+        assert kr.static_offsets(128, 128, 32, sq=sq, causal=True, window=0) == (0,)
+        assert kr.static_offsets(128, 256, 32, sq=sq, causal=True, window=0) == (0, 4)
+        assert kr.static_offsets(256, 128, 32, sq=sq, causal=True, window=0) == ()
+        assert kr.static_offsets(128, 128, 128, sq=sq, causal=True, window=0) == ()
+        assert kr.static_offsets(128, 128, 32, sq=sq + 8, causal=True, window=0) == ()
+        assert list(kr.static_sub_tiles(2, 2, 0, 32, 0)) == [(0, 0, True), (1, 0, False), (1, 1, True)]
+    start, end = np.array([0, 140, 0, 5], np.int32), np.array([384, 512, 444, 640], np.int32)
+    aligned = functools.partial(kr.aligned_tile, True, block_q=128, block_k=block_k, size=32, sq=sq, skv=skv)
+    if block_k == 128:
+        assert bool(aligned(start[0], end[0], 0, 0, 0)) and bool(aligned(start[3], end[3], 0, 2, 0))
+        assert not bool(aligned(start[1], end[1], 0, 1, 0)) and bool(aligned(start[1], end[1], 1, 2, 0))
+    else:
+        assert bool(aligned(start[0], end[0], 1, 0, 4)) and bool(aligned(start[3], end[3], 0, 1, 0))
+        assert not bool(aligned(start[1], end[1], 0, 0, 4)) and bool(aligned(start[1], end[1], 1, 1, 0))
+    assert not any(bool(aligned(start[2], end[2], qb, kb, o)) for qb in range(3) for kb in range(5) for o in range(5))
     q, k, v, sinks = _inputs((4, 2, 1, sq, skv, 16, 16), torch.float32, seed=31)
-    visible = reference.attention_rule_mask(start, end, sq, skv, causal=True, window=0)
+    visible = reference.attention_rule_mask(start, end, sq, skv, causal=True, window=window)
     visible[3, ..., 40, 280:] = False  # one query of row 3 off the rule, in its diagonal tile: the tile reads ranges
     for softcap in (0.0, 20.0):
-        got = attention_tpu.attention(q, k, v, attention_mask=torch.from_numpy(visible), causal=True, sinks=sinks,
-                                      softcap=softcap, block_sizes=(128, block_k), impl="interpret")
+        got = attention_tpu.attention(q, k, v, attention_mask=torch.from_numpy(visible), causal=True, window=window,
+                                      sinks=sinks, softcap=softcap, block_sizes=(128, block_k), impl="interpret")
         want = reference.attention(q, k, v, visible, scale=0.25, softcap=softcap, sinks=sinks.numpy())
-        _check(got, want, torch.float32, f"causal diagonal tiles block_k={block_k} softcap={softcap}")
+        _check(got, want, torch.float32, f"static sub-tiles block_k={block_k} window={window} softcap={softcap}")
 
 
 @pytest.mark.parametrize("kv_splits", [2, 3, 5])

@@ -249,6 +249,7 @@ COMPUTE_BLOCK_K = 256
 FORWARD_COMPUTE_ROWS = 512
 FORWARD_COMPUTE_KEYS = 512
 DIAGONAL_SUB_TILE = 256
+WINDOW_SUB_TILE = 256
 # Generations whose forward takes a tile's row sums from the MXU (module docstring).
 ROW_SUMS_ON_MXU = frozenset({"v6e"})
 ROW_SUMS_V_DIM = 128
@@ -310,12 +311,21 @@ def forward_compute_blocks(block_q: int, block_k: int) -> tuple[int, int]:
     return (FORWARD_COMPUTE_ROWS if split_rows else block_q), FORWARD_COMPUTE_KEYS
 
 
-def diagonal_sub_tile(block_q: int, block_k: int) -> int:
-    """The square sub-tiles a causal diagonal whose sub-tiles' kinds are static
-    is computed in (``key_ranges.aligned_causal_diagonal``): ``DIAGONAL_SUB_TILE``
-    where it divides a prefill tile split in pieces, else 0 (none)."""
-    size = DIAGONAL_SUB_TILE
-    return size if _splits_keys(block_q, block_k) and block_q % size == 0 and block_k % size == 0 else 0
+def static_sub_tile(block_q: int, block_k: int, window: int = 0) -> int:
+    """The square sub-tiles a tile whose sub-tiles' kinds are static
+    (``key_ranges.aligned_tile``: a causal diagonal, a window's tiles) is
+    computed in, all in one region: ``DIAGONAL_SUB_TILE`` in a prefill tile
+    split in pieces, ``WINDOW_SUB_TILE`` in a whole tile of a window no longer
+    than that (a longer window leaves too few sub-tiles to skip); 0: none (the
+    size does not divide the tile, or the tile would be its one sub-tile)."""
+    if _splits_keys(block_q, block_k):
+        size = DIAGONAL_SUB_TILE
+    elif 0 < window <= WINDOW_SUB_TILE and block_q > DECODE_MAX_ROWS:
+        size = WINDOW_SUB_TILE
+    else:
+        return 0
+    split = block_q % size == 0 and block_k % size == 0 and block_q * block_k > size * size
+    return size if split else 0
 
 
 def row_sums_on_mxu(generation: str | None, v_dim: int) -> bool:

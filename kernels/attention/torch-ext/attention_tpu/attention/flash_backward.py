@@ -90,9 +90,9 @@ def _load_rows(ref, rows):
 def _sub_tiles_by_kind(accumulate, live_step, sub_table_ref, start_ref, end_ref, bounds_ref, *, b, q_block, kv_block,
                        block_q, block_k, sub_q, sub_k, rows, skv, num_q_blocks, rule, lanes):
     """Run ``accumulate(bounds, q_sub, kv_sub, rs, ks)`` on the tile's live
-    sub-tiles. A tile every row sees whole, and a causal diagonal whose
-    sub-tiles' kinds are static (``key_ranges.aligned_causal_diagonal``), run
-    all their sub-tiles in one region: there the compiler overlaps one
+    sub-tiles. A tile every row sees whole, and one whose sub-tiles' kinds are
+    static (``key_ranges.aligned_tile``: a causal diagonal), run all their
+    sub-tiles in one region: there the compiler overlaps one
     sub-tile's matmuls with another's elementwise work, while a region per
     sub-tile runs each alone. Any other tile: each sub-tile in its own region,
     skipped where no row sees its keys, unmasked where every row sees them
@@ -115,19 +115,19 @@ def _sub_tiles_by_kind(accumulate, live_step, sub_table_ref, start_ref, end_ref,
         for i, j, *_ in tiles:
             body[i, j](None)
 
-    offsets = kr.diagonal_offsets(block_q, block_k, sub_q, sub_k, sq=rule.sq, causal=rule.causal, window=rule.window)
+    offsets = kr.static_offsets(block_q, block_k, sub_q, sq=rule.sq, causal=rule.causal,
+                                window=rule.window) if sub_q == sub_k else ()
     if offsets:
         by_rule = functools.reduce(jnp.logical_and, (
             kr.table_entry(sub_table_ref, b, q_block * per_q + i, kr.RULE, num_q_subs) == 1 for i in range(per_q)))
     for offset in offsets:
-        on_diagonal = live_step & kr.aligned_causal_diagonal(by_rule, start_ref[b], end_ref[b], q_block, kv_block,
-                                                             offset, block_q=block_q, block_k=block_k, sub_k=sub_k,
-                                                             sq=rule.sq, skv=skv)
-        by_kind &= jnp.logical_not(on_diagonal)
+        on_static = live_step & kr.aligned_tile(by_rule, start_ref[b], end_ref[b], q_block, kv_block, offset,
+                                                block_q=block_q, block_k=block_k, size=sub_q, sq=rule.sq, skv=skv)
+        by_kind &= jnp.logical_not(on_static)
 
-        @pl.when(on_diagonal)
-        def _diagonal(offset=offset):
-            for i, j, masked in kr.diagonal_sub_tiles(per_q, offset):
+        @pl.when(on_static)
+        def _static(offset=offset):
+            for i, j, masked in kr.static_sub_tiles(per_q, per_k, offset, sub_q, rule.window):
                 body[i, j](kr.rule_row_bounds(rule, start_ref[b], end_ref[b], q_block * per_q + i, lanes=lanes)
                            if masked else None)
 

@@ -52,7 +52,7 @@ from .softmax_tiles import LOG2_E, STAT_LANES, finished_rows, online_softmax_ste
 
 def _flash_kernel(table_ref, sub_table_ref, steps_ref, start_ref, end_ref, q_ref, k_ref, v_ref, bounds_ref, o_ref,
                   lse_ref, m_ref, l_ref, acc_ref, *, block_q: int, block_k: int, sub_q: int, sub_k: int, fold_k: int,
-                  diagonal_tile: int, skv: int,
+                  static_tile_size: int, skv: int,
                   softcap: float, scale: float, num_q_blocks: int, rule: kr.KernelRule, sum_on_mxu: bool):
     b, split, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     entry = functools.partial(kr.table_entry, table_ref, b, q_block, num_q_blocks=num_q_blocks)
@@ -112,35 +112,35 @@ def _flash_kernel(table_ref, sub_table_ref, steps_ref, start_ref, end_ref, q_ref
                               lambda lo, hi, body=body: body((lo, hi)), rule=rule, start_ref=start_ref,
                               end_ref=end_ref, bounds_ref=bounds_ref, b=b, q_block=q_sub, bounds_rows=rs)
 
-    # A causal diagonal (a prefill's): its sub-tiles' kinds are known statically
-    # (key_ranges.diagonal_sub_tiles), so all of them run in one region, where
-    # the compiler overlaps one sub-tile's matmuls with another's softmax;
-    # region by region each sub-tile waited on its own.
-    def diagonal(offset):
-        size, q = diagonal_tile, None
-        for i, j, masked_sub in kr.diagonal_sub_tiles(block_q // size, offset):
+    # A tile whose sub-tiles' kinds are static (a causal diagonal, a window's
+    # tiles: key_ranges.aligned_tile): all of them in one region, where the
+    # compiler overlaps one sub-tile's matmuls with another's softmax; region
+    # by region each sub-tile waited on its own.
+    def static_tile(offset):
+        size, q = static_tile_size, None
+        for i, j, masked_sub in kr.static_sub_tiles(block_q // size, block_k // size, offset, size, rule.window):
             rows = pl.ds(i * size, size)
-            if j == 0:
-                q = load(q_ref.at[rows])
+            if q is None or q[0] != i:
+                q = i, load(q_ref.at[rows])
             bounds = kr.rule_row_bounds(rule, start_ref[b], end_ref[b], None,
                                         rows=(q_block * block_q + i * size, size)) if masked_sub else None
-            fold(q, rows, j, bounds, size)
+            fold(q[1], rows, j, bounds, size)
 
     masked = live & jnp.logical_not(whole)
+    by_sub_tile = masked
+    offsets = kr.static_offsets(block_q, block_k, static_tile_size, sq=rule.sq, causal=rule.causal,
+                                window=rule.window) if static_tile_size else ()
+    for offset in offsets:
+        on_static = masked & kr.aligned_tile(entry(kr.RULE) == 1, start_ref[b], end_ref[b], q_block, kv_block, offset,
+                                             block_q=block_q, block_k=block_k, size=static_tile_size, sq=rule.sq,
+                                             skv=skv)
+        pl.when(on_static)(functools.partial(static_tile, offset))
+        by_sub_tile &= jnp.logical_not(on_static)
     if per_q == per_k == 1:  # the block is its one sub-tile (window and decode tiles): no second table check
-        kr.masked_regions(masked, entry(kr.RULE) == 1,
+        kr.masked_regions(by_sub_tile, entry(kr.RULE) == 1,
                           lambda lo, hi: fold(load(q_ref), slice(None), 0, (lo, hi)), rule=rule, start_ref=start_ref,
                           end_ref=end_ref, bounds_ref=bounds_ref, b=b, q_block=q_block)
     else:
-        by_sub_tile = masked
-        offsets = kr.diagonal_offsets(block_q, block_k, diagonal_tile, diagonal_tile, sq=rule.sq, causal=rule.causal,
-                                      window=rule.window) if diagonal_tile else ()
-        for offset in offsets:
-            on_diagonal = masked & kr.aligned_causal_diagonal(
-                entry(kr.RULE) == 1, start_ref[b], end_ref[b], q_block, kv_block, offset, block_q=block_q,
-                block_k=block_k, sub_k=diagonal_tile, sq=rule.sq, skv=skv)
-            pl.when(on_diagonal)(functools.partial(diagonal, offset))
-            by_sub_tile &= jnp.logical_not(on_diagonal)
         pl.when(by_sub_tile)(edge)
 
     @pl.when(step == pl.num_programs(4) - 1)
@@ -293,7 +293,7 @@ def _grid_forward(q, k, v, key_bounds, bounds, start, end, table, sub_table, pla
                                rule=kr.KernelRule(sub_q, sq, skv, causal, window),
                                sum_on_mxu=blocks_lib.row_sums_on_mxu(generation, dv),
                                fold_k=blocks_lib.compute_block_k(block_q, block_k),
-                               diagonal_tile=blocks_lib.diagonal_sub_tile(block_q, block_k))
+                               static_tile_size=blocks_lib.static_sub_tile(block_q, block_k, window if causal else 0))
     # One split: the final output in the kernel's dtype of q; several: f32 partials to merge.
     out_dtype = kernel_dtype(q.dtype) if splits == 1 else jnp.float32
     operands = (q, k, v, key_bounds)

@@ -308,39 +308,47 @@ def rule_row_bounds(rule: KernelRule, start, end, q_block, *, lanes: bool = Fals
     return jnp.broadcast_to(lo, rows.shape), jnp.broadcast_to(hi, rows.shape)
 
 
-def diagonal_offsets(block_q: int, block_k: int, sub_q: int, sub_k: int, *, sq: int, causal: bool,
-                     window: int) -> tuple[int, ...]:
-    """The offsets ``d`` (in sub-tiles) at which a tile can hold a causal
-    diagonal whose sub-tiles' kinds are static (``aligned_causal_diagonal``):
-    ``0 .. per_k - per_q`` for causal attention without a window, square
-    sub-tiles, more than one of them, and query blocks that never straddle
-    two heads' rows; none otherwise."""
-    per_q, per_k = block_q // sub_q, block_k // sub_k
-    if not causal or window or sub_q != sub_k or per_q * per_k == 1 or sq % block_q or per_k < per_q:
+def static_sub_tiles(per_q: int, per_k: int, offset: int, size: int, window: int):
+    """``(i, j, masked)`` of the sub-tiles a tile at ``offset`` computes
+    (``aligned_tile``), row sub-block by row sub-block: the rows of sub-block
+    ``i`` sit at positions ``[(offset + i) * size, (offset + i + 1) * size)``
+    relative to the tile's first key, and see the keys at or before their
+    position and, under a ``window``, after ``position - window``. A sub-tile
+    no row sees is left out; one every row sees whole is not masked."""
+    for i in range(per_q):
+        first_pos, last_pos = (offset + i) * size, (offset + i + 1) * size - 1
+        for j in range(per_k):
+            first_key, last_key = j * size, (j + 1) * size - 1
+            if first_key > last_pos or (window and last_key <= first_pos - window):
+                continue
+            whole = last_key <= first_pos and not (window and first_key <= last_pos - window)
+            yield i, j, not whole
+
+
+def static_offsets(block_q: int, block_k: int, size: int, *, sq: int, causal: bool, window: int) -> tuple[int, ...]:
+    """The offsets (in ``size`` sub-tiles) at which a tile's sub-tiles have
+    static kinds worth their own region (``aligned_tile``): causal attention
+    whose query blocks never straddle two heads' rows, the tile cut in more
+    than one sub-tile, offsets of whole query blocks (a prefill, or one after a
+    cache of whole blocks) at which some sub-tile is masked; none otherwise."""
+    per_q, per_k = block_q // size, block_k // size
+    if not causal or sq % block_q or block_q % size or block_k % size or per_q * per_k == 1:
         return ()
-    return tuple(range(per_k - per_q + 1))
+    reach = per_k + -(-window // size) if window else per_k
+    return tuple(d for d in range(0, reach + 1, per_q)
+                 if any(masked for *_, masked in static_sub_tiles(per_q, per_k, d, size, window)))
 
 
-def aligned_causal_diagonal(by_rule, start, end, q_block, kv_block, offset: int, *, block_q: int, block_k: int,
-                            sub_k: int, sq: int, skv: int):
-    """Is this tile a causal diagonal at ``offset`` sub-tiles: its rows follow
-    the rule (``by_rule``), the first row's position is the tile's key ``offset
-    * sub_k``, the batch row's keys start at or before the tile and end within
-    ``skv``. Row ``r`` then sees the tile's keys ``[0, offset * sub_k + r]``:
-    with square sub-tiles, sub-tile ``(i, j)`` is unmasked for ``j < i +
-    offset``, masked for ``j = i + offset`` and skipped beyond, whatever the
-    data (``diagonal_sub_tiles``; only at ``diagonal_offsets``)."""
+def aligned_tile(by_rule, start, end, q_block, kv_block, offset: int, *, block_q: int, block_k: int, size: int,
+                 sq: int, skv: int):
+    """Does this tile sit at ``offset`` sub-tiles of ``size`` (``static_sub_tiles``
+    then gives its sub-tiles' kinds, whatever the data): its rows follow the
+    rule (``by_rule``), the first row's position is the tile's key ``offset *
+    size``, the batch row's keys start at or before the tile and end within
+    ``skv`` (so only the causal and window bounds cut it)."""
     first_key = kv_block * block_k
     first_pos = end - sq + _rem(q_block * block_q, sq)
-    return by_rule & (first_pos == first_key + offset * sub_k) & (start <= first_key) & (end <= skv)
-
-
-def diagonal_sub_tiles(per_q: int, offset: int):
-    """``(i, j, masked)`` of the sub-tiles a causal diagonal at ``offset``
-    computes (``aligned_causal_diagonal``), row sub-block by row sub-block."""
-    for i in range(per_q):
-        for j in range(i + offset + 1):
-            yield i, j, j == i + offset
+    return by_rule & (first_pos == first_key + offset * size) & (start <= first_key) & (end <= skv)
 
 
 def read_row_bounds(bounds_ref, rows=slice(None)):
