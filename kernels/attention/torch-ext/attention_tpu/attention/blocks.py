@@ -67,7 +67,7 @@ those every row sees (a diagonal tile: 8824 cycles as 10 sub-tiles against
 steps rose from 852 to 1312 cycles, unmasked tiles from 3790 to 4246).
 
 Compute sub-blocks (``compute_block_k``): a prefill tile is computed in key
-sub-blocks of ``COMPUTE_BLOCK_K`` = 512, each folded into the running softmax
+sub-blocks (512 then; 256 now, below), each folded into the running softmax
 in turn, so its f32 temporaries are [block_q, 512] rather than [block_q,
 2048] (the DMA blocks, and so the grid steps, stay 2048 x 2048). v6e,
 Llama-3-8B causal 8k forward: 2940 us whole, 2845 with the unmasked tiles
@@ -75,7 +75,7 @@ in sub-blocks only, 2649 with every tile (2663 at 1024-key sub-blocks); Qwen3
 8k 2930 -> 2639; Gemma-4 global D512 4k 386 -> 369. Decode tiles stay whole.
 
 Masked tiles are also cut by rows (``forward_compute_blocks``: sub-tiles of
-``FORWARD_COMPUTE_ROWS`` = 512 rows x 512 keys), each skipped, unmasked or
+``FORWARD_COMPUTE_ROWS`` x ``FORWARD_COMPUTE_KEYS`` = 512 x 512), each skipped, unmasked or
 masked on its own from the sub-tiles' visit table: a causal diagonal 2048 x
 2048 tile computes 10 of its 16 sub-tiles, 4 of them masked, instead of 4
 masked 2048 x 512 pieces. Llama-3-8B causal 8k forward: v6e 2649 -> 2458 us
@@ -83,6 +83,43 @@ masked 2048 x 512 pieces. Llama-3-8B causal 8k forward: v6e 2649 -> 2458 us
 reloaded q outweigh the skipped work), tpu7x 2130 -> 1983 (1024 rows: 2011),
 v5e 5484 -> 4254; Gemma-4 global D512 4k v6e 369 -> 308. Interior tiles keep
 all rows at once (their table check is one per tile).
+
+Static sub-tiles and 256-key folds (``static_sub_tile``, ``compute_block_k``).
+The sub-tiles of a masked 2048 x 2048 tile each ran in a region of their own
+(a ``pl.when`` on the visit table), so each waited on its own matmuls: an
+unmasked 512 x 512 sub-tile cost 960 cycles on v6e where the same work inside an
+interior tile costs ~570 (the compiler overlaps one fold's matmuls with the
+previous fold's softmax only within a region). But a tile whose first query
+sits on a key at a whole query block's offset (a causal prefill's diagonal, a
+window's tiles), with its batch row's keys starting before it and ending within
+Skv, has sub-tiles whose kinds do not depend on the data
+(``key_ranges.static_sub_tiles``): such tiles run all their live sub-tiles in
+one region (one per possible offset), and the visit table decides only for the
+others (padding, packed sequences, unaligned offsets), still at 512 x 512. Then
+interior tiles fold 256 keys at a time (``COMPUTE_BLOCK_K``; [2048, 256] f32
+scores: fewer spilled vregs), and the static sub-tiles are 256 x 256
+(``DIAGONAL_SUB_TILE``; a diagonal computes 36 of 64). Llama-3-8B causal 8k
+forward, estimated us (steps of a diagonal tile in cycles):
+
+=======================================  =====================  ======  ======  ======
+forward                                  v6e diagonal step      v6e     tpu7x   v5e
+=======================================  =====================  ======  ======  ======
+512 x 512 sub-tiles, a region each       12458                  2268    1983    4254
+static kinds, 512 x 512, one region      9543                   2062    1833    4053
++ interior folds of 256 keys             9543                   2036    1767    --
++ static sub-tiles of 256 x 256          7554                   1891    1701    4013
+=======================================  =====================  ======  ======  ======
+
+Interior folds of 128 keys lose (tpu7x 2485 us), as do row-major interior
+folds (1024 rows at a time: tpu7x 1882), 256 x 256 sub-tiles for the masked
+tiles the table decides (tpu7x diagonal step 21619 cycles: 64 regions) and
+masking a diagonal key block's rows in one fold (v6e 2132). Rectangular tiles
+(Gemma-4 global D512, 1024 x 2048) have a region per offset. Windows: a whole
+512 x 512 tile of a window up to ``WINDOW_SUB_TILE`` = 256 keys is computed as
+256 x 256 static sub-tiles (gpt-oss, window 128: the previous block's tile
+computes one of four): v6e 2237 -> 2112 us, tpu7x 1922 -> 1831, v5e 3142 ->
+2900; 128 x 128 sub-tiles lose (v6e 3060), and a longer window leaves too little
+to skip (Gemma-4 sliding-512, D256: 327 -> 353, not taken).
 
 Row sums on the MXU (``ROW_SUMS_ON_MXU``: v6e): a tile's softmax denominators
 come from the P V product with a block of 128 ones appended to V (each row's

@@ -11,9 +11,12 @@ Which keys a row sees and which tiles are skipped: ``key_ranges`` (a key
 range per query, the visit table). A causal prefill does about half of the
 dense work, a windowed one ``~window / Skv`` of it, and decode against a
 static cache reads only the filled part. Within a grid step the tile is
-computed in compute sub-tiles (``blocks.forward_compute_blocks``): an
-interior tile in key sub-blocks, a masked one sub-tile by sub-tile, each
-skipped, unmasked or masked from the sub-tiles' own visit table.
+computed in pieces (``blocks``): an interior tile in key folds
+(``compute_block_k``); a tile whose sub-tiles' kinds are static (a causal
+diagonal, a short window's tiles: ``key_ranges.aligned_tile``) all its live
+sub-tiles in one region (``static_sub_tile``); any other masked tile sub-tile
+by sub-tile (``forward_compute_blocks``), each skipped, unmasked or masked
+from the sub-tiles' own visit table.
 
 Features: an arbitrary ``scale`` (applied before soft-capping), logit
 soft-capping ``cap * tanh(s / cap)``, attention sinks (one logit per query
@@ -94,9 +97,9 @@ def _flash_kernel(table_ref, sub_table_ref, steps_ref, start_ref, end_ref, q_ref
         for j in range(block_k // fold_k):
             fold(q, slice(None), j, None, fold_k)
 
-    # A masked block, sub-tile by sub-tile: each skipped where no row sees its
-    # keys, unmasked where every row sees them all (the sub-tiles' visit table:
-    # a causal diagonal 2048 x 2048 block computes 10 of its 16 sub-tiles, 6 unmasked).
+    # Any other masked block, sub-tile by sub-tile: each skipped where no row
+    # sees its keys, unmasked where every row sees them all (the sub-tiles'
+    # visit table), each in a region of its own.
     def sub_tile(bounds, rows, j):
         fold(load(q_ref.at[rows]), rows, j, bounds)
 
