@@ -212,11 +212,12 @@ def test_forward_static_sub_tiles_in_one_region(block_k, window, row_sums, monke
     monkeypatch.setattr(blocks, "DIAGONAL_SUB_TILE", 32)
     monkeypatch.setattr(blocks, "WINDOW_SUB_TILE", 32)
     monkeypatch.setattr(blocks, "DECODE_MAX_ROWS", 8)
-    assert blocks.static_sub_tile(128, block_k, window) == 32 and blocks.static_sub_tile(80, 128, window) == 0
+    assert blocks.static_sub_tile(128, block_k, window, 16) == 32 and blocks.static_sub_tile(80, 128, window, 16) == 0
+    assert blocks.static_sub_tile(128, 256, 0, 64) == 64  # at least as wide as V
     sq, skv = 384, 640
     if window:
         assert blocks.forward_compute_blocks(128, block_k) == (128, 128)
-        assert blocks.static_sub_tile(128, 128, 40) == 0  # a window longer than a sub-tile: tiles stay whole
+        assert blocks.static_sub_tile(128, 128, 40, 16) == 0  # a window longer than a sub-tile: tiles stay whole
         assert kr.static_offsets(128, 128, 32, sq=sq, causal=True, window=window) == (0, 4)
         assert list(kr.static_sub_tiles(4, 4, 4, 32, window)) == [(0, 3, True)]
     else:

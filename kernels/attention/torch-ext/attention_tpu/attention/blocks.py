@@ -114,7 +114,9 @@ Interior folds of 128 keys lose (tpu7x 2485 us), as do row-major interior
 folds (1024 rows at a time: tpu7x 1882), 256 x 256 sub-tiles for the masked
 tiles the table decides (tpu7x diagonal step 21619 cycles: 64 regions) and
 masking a diagonal key block's rows in one fold (v6e 2132). Rectangular tiles
-(Gemma-4 global D512, 1024 x 2048) have a region per offset. Windows: a whole
+(Gemma-4 global D512, 1024 x 2048) have a region per offset, and sub-tiles at
+least as wide as V (v6e: 256 x 256 sub-tiles 325 us, 512 x 512 282, against 308
+before). Windows: a whole
 512 x 512 tile of a window up to ``WINDOW_SUB_TILE`` = 256 keys is computed as
 256 x 256 static sub-tiles (gpt-oss, window 128: the previous block's tile
 computes one of four): v6e 2237 -> 2112 us, tpu7x 1922 -> 1831, v5e 3142 ->
@@ -348,15 +350,18 @@ def forward_compute_blocks(block_q: int, block_k: int) -> tuple[int, int]:
     return (FORWARD_COMPUTE_ROWS if split_rows else block_q), FORWARD_COMPUTE_KEYS
 
 
-def static_sub_tile(block_q: int, block_k: int, window: int = 0) -> int:
+def static_sub_tile(block_q: int, block_k: int, window: int = 0, v_dim: int = 128) -> int:
     """The square sub-tiles a tile whose sub-tiles' kinds are static
     (``key_ranges.aligned_tile``: a causal diagonal, a window's tiles) is
     computed in, all in one region: ``DIAGONAL_SUB_TILE`` in a prefill tile
-    split in pieces, ``WINDOW_SUB_TILE`` in a whole tile of a window no longer
-    than that (a longer window leaves too few sub-tiles to skip); 0: none (the
-    size does not divide the tile, or the tile would be its one sub-tile)."""
+    split in pieces, or ``v_dim`` where wider (each sub-tile rescales its rows'
+    ``[rows, v_dim]`` f32 accumulator: narrower sub-tiles would spend more on
+    it than on their scores); ``WINDOW_SUB_TILE`` in a whole tile of a window
+    no longer than that (a longer window leaves too few sub-tiles to skip); 0:
+    none (the size does not divide the tile, or the tile would be its one
+    sub-tile)."""
     if _splits_keys(block_q, block_k):
-        size = DIAGONAL_SUB_TILE
+        size = max(DIAGONAL_SUB_TILE, v_dim)
     elif 0 < window <= WINDOW_SUB_TILE and block_q > DECODE_MAX_ROWS:
         size = WINDOW_SUB_TILE
     else:
