@@ -141,6 +141,7 @@ def test_forward_tiles_computed_in_key_sub_blocks():
     assert blocks.forward_compute_blocks(136, 1024) == (136, blocks.FORWARD_COMPUTE_KEYS) == (136, 512)
     assert blocks.compute_block_k(8, 4096) == 4096  # decode tiles stay whole
     assert blocks.compute_block_k(1024, 512) == 512  # window tiles too
+    assert blocks.compute_block_k(1024, 2048, 512) == 512  # folds as wide as V where it is wider
     q, k, v, sinks = _inputs((2, 4, 2, 80, 2100, 16, 16), torch.float32, seed=21)
     start, end = np.array([0, 300], np.int32), np.array([2100, 1900], np.int32)
     for causal, window in ((True, 0), (True, 700), (False, 0)):

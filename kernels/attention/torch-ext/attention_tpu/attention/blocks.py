@@ -116,7 +116,8 @@ tiles the table decides (tpu7x diagonal step 21619 cycles: 64 regions) and
 masking a diagonal key block's rows in one fold (v6e 2132). Rectangular tiles
 (Gemma-4 global D512, 1024 x 2048) have a region per offset, and sub-tiles at
 least as wide as V (v6e: 256 x 256 sub-tiles 325 us, 512 x 512 282, against 308
-before). Windows: a whole
+before); their interior tiles fold as many keys as V is wide (tpu7x: 227 us
+at 256 keys, 215 at 512). Windows: a whole
 512 x 512 tile of a window up to ``WINDOW_SUB_TILE`` = 256 keys is computed as
 256 x 256 static sub-tiles (gpt-oss, window 128: the previous block's tile
 computes one of four): v6e 2237 -> 2112 us, tpu7x 1922 -> 1831, v5e 3142 ->
@@ -330,11 +331,13 @@ def _splits_keys(block_q: int, block_k: int) -> bool:
     return block_q > DECODE_MAX_ROWS and block_k > FORWARD_COMPUTE_KEYS and block_k % FORWARD_COMPUTE_KEYS == 0
 
 
-def compute_block_k(block_q: int, block_k: int) -> int:
+def compute_block_k(block_q: int, block_k: int, v_dim: int = 128) -> int:
     """Keys per fold of a forward tile every row sees whole: ``COMPUTE_BLOCK_K``
-    for a prefill tile split in pieces, else the whole tile."""
-    if _splits_keys(block_q, block_k) and block_k % COMPUTE_BLOCK_K == 0:
-        return COMPUTE_BLOCK_K
+    for a prefill tile split in pieces, or ``v_dim`` where wider (each fold
+    rescales the ``[rows, v_dim]`` f32 accumulator), else the whole tile."""
+    fold = max(COMPUTE_BLOCK_K, v_dim)
+    if _splits_keys(block_q, block_k) and block_k % fold == 0:
+        return fold
     return block_k
 
 

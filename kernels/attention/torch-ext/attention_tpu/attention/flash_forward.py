@@ -295,7 +295,7 @@ def _grid_forward(q, k, v, key_bounds, bounds, start, end, table, sub_table, pla
                                softcap=float(softcap), scale=float(scale), num_q_blocks=plan.num_q_blocks,
                                rule=kr.KernelRule(sub_q, sq, skv, causal, window),
                                sum_on_mxu=blocks_lib.row_sums_on_mxu(generation, dv),
-                               fold_k=blocks_lib.compute_block_k(block_q, block_k),
+                               fold_k=blocks_lib.compute_block_k(block_q, block_k, dv),
                                static_tile_size=blocks_lib.static_sub_tile(block_q, block_k, window if causal else 0,
                                                                            dv))
     # One split: the final output in the kernel's dtype of q; several: f32 partials to merge.
