@@ -70,12 +70,16 @@ def test_forward_compiles(generation, case, record_property):
     record_property("vmem_working_set", working_set)
 
 
-@pytest.mark.parametrize("generation", ["v5e", "v6e", "tpu7x"])
-@pytest.mark.parametrize("case", [(name, model_name, tokens, *shape)
-                                  # (Mixtral at 512 tokens chose the same tiles as at 4096 on all three)
-                                  for model_name, model, tokens in (("mixtral", MIXTRAL, 4096), ("gpt-oss", GPT_OSS, 512))
-                                  for name, *shape in _expert_matmuls(model, tokens)],
-                         ids=lambda c: f"{c[1]}-{c[0]}-{c[2]}tok")
+F32_OUT_CASES = [(name, model_name, tokens, *shape)
+                 # (Mixtral at 512 tokens chose the same tiles as at 4096 on all three)
+                 for model_name, model, tokens in (("mixtral", MIXTRAL, 4096), ("gpt-oss", GPT_OSS, 512))
+                 for name, *shape in _expert_matmuls(model, tokens)]
+
+
+# Mixtral's down projection takes the same tiles on v5e as on v6e (a minute's compile): v6e's stands for both.
+@pytest.mark.parametrize("generation,case", [
+    (g, c) for g in ("v5e", "v6e", "tpu7x") for c in F32_OUT_CASES if (g, c[1], c[0]) != ("v5e", "mixtral", "down")],
+    ids=lambda p: p if isinstance(p, str) else f"{p[1]}-{p[0]}-{p[2]}tok")
 def test_forward_f32_out_compiles(generation, case):
     """The forward tiles with the experts program's f32 output: the largest
     working sets of the 15/16-of-the-large-limit forward budget (tpu7x:

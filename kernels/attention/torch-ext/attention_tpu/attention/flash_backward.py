@@ -90,7 +90,7 @@ def _load_rows(ref, rows):
 def _sub_tiles_by_kind(accumulate, live_step, sub_table_ref, start_ref, end_ref, bounds_ref, *, b, q_block, kv_block,
                        block_q, block_k, sub_q, sub_k, rows, skv, num_q_blocks, rule, lanes):
     """Run ``accumulate(bounds, q_sub, kv_sub, rs, ks)`` on the tile's live
-    sub-tiles. A tile every row sees whole, and one whose sub-tiles' kinds are
+    sub-tiles. A tile of several sub-tiles that every row sees whole, and one whose sub-tiles' kinds are
     static (``key_ranges.aligned_tile``: a causal diagonal), run all their
     sub-tiles in one region: there the compiler overlaps one
     sub-tile's matmuls with another's elementwise work, while a region per
@@ -107,16 +107,20 @@ def _sub_tiles_by_kind(accumulate, live_step, sub_table_ref, start_ref, end_ref,
                                     whole_q_blocks=rows // sub_q)
         kinds[i, j] = (live & live_step, whole)
         body[i, j] = functools.partial(accumulate, q_sub=q_sub, kv_sub=kv_sub, rs=rs, ks=ks)
-    all_whole = functools.reduce(jnp.logical_and, (live & whole for live, whole in kinds.values()))
-    by_kind = jnp.logical_not(all_whole)
+    # A tile of one sub-tile: the per-sub-tile regions below are already whole-tile regions.
+    one_region = len(tiles) > 1
+    by_kind = jnp.bool_(True)
+    if one_region:
+        all_whole = functools.reduce(jnp.logical_and, (live & whole for live, whole in kinds.values()))
+        by_kind = jnp.logical_not(all_whole)
 
-    @pl.when(all_whole)
-    def _whole():
-        for i, j, *_ in tiles:
-            body[i, j](None)
+        @pl.when(all_whole)
+        def _whole():
+            for i, j, *_ in tiles:
+                body[i, j](None)
 
     offsets = kr.static_offsets(block_q, block_k, sub_q, sq=rule.sq, causal=rule.causal,
-                                window=rule.window) if sub_q == sub_k else ()
+                                window=rule.window) if one_region and sub_q == sub_k else ()
     if offsets:
         by_rule = functools.reduce(jnp.logical_and, (
             kr.table_entry(sub_table_ref, b, q_block * per_q + i, kr.RULE, num_q_subs) == 1 for i in range(per_q)))
