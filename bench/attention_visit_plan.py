@@ -37,20 +37,27 @@ def kv_block_plan(kv_start, kv_end, *, rows: int, sq: int, skv: int, causal: boo
     table = np.asarray(kr.visit_table(kr.row_bounds(key_bounds, rows // sq), num_q_blocks=plan.num_q_blocks,
                                       block_q=plan.block_q, block_k=plan.block_k, rows=rows)).reshape(
         batch, plan.num_q_blocks, kr.TABLE_COLUMNS)
-    per_split = int(kr.kv_steps(jnp.asarray(table), num_kv_blocks=plan.num_kv_blocks, splits=plan.splits))
+    per_split, walk_q, walk_step, (splits, q_axis, kv_axis) = (
+        np.asarray(x) for x in flash_forward.grid_walk(jnp.asarray(table.reshape(-1)), plan))
+    per_split, kv_axis = int(per_split), int(kv_axis)
+    pairs = plan.num_q_blocks * plan.num_kv_blocks
     live = fetched = 0
     for b in range(batch):
         previous = None
-        for split in range(plan.splits):
-            for qb in range(plan.num_q_blocks):
-                entry = lambda column: int(table[b, qb, column])  # noqa: E731
-                lo = min(max(entry(kr.FIRST), 0), plan.num_kv_blocks - 1)
-                hi = min(max(entry(kr.LAST), lo), plan.num_kv_blocks - 1)
-                for step in range(per_split):
+        for split in range(int(splits)):
+            for q_step in range(int(q_axis)):
+                for kv_step in range(kv_axis):  # the kernel's walk: its grid, or the compacted pairs
+                    if plan.compact:
+                        qb, step = int(walk_q[b * pairs + kv_step]), int(walk_step[b * pairs + kv_step])
+                    else:
+                        qb, step = q_step, kv_step
+                    entry = lambda column, qb=qb: int(table[b, qb, column])  # noqa: E731
+                    lo = min(max(entry(kr.FIRST), 0), plan.num_kv_blocks - 1)
+                    hi = min(max(entry(kr.LAST), lo), plan.num_kv_blocks - 1)
                     kb = kr.kv_block_of_step(entry, split, step, per_split)
                     live += bool(entry(kr.FIRST) <= kb <= entry(kr.LAST))
                     index = min(max(kb, lo), hi)
                     fetched += index != previous
                     previous = index
-    return VisitPlan(live, fetched, batch * plan.num_q_blocks * plan.splits * per_split,
+    return VisitPlan(live, fetched, batch * int(splits) * int(q_axis) * kv_axis,
                      batch * plan.num_q_blocks * plan.num_kv_blocks)

@@ -173,6 +173,9 @@ class CondRecord:
     branch: np.ndarray
     dot_branches: tuple[int, ...]
     all_dot_branches: tuple[int, ...] = ()
+    # A ``pl.when`` body that stores into a ref (vector work) with no MXU work (the other branch empty).
+    store_branches: tuple[int, ...] = ()
+    depth: int = 0  # conds enclosing this one
 
 
 def _has_dot(jaxpr) -> bool:
@@ -192,6 +195,10 @@ def _sub_jaxprs(eqn):
                 yield j
             elif hasattr(q, "eqns"):
                 yield q
+
+
+def _stores(jaxpr) -> bool:
+    return any(e.primitive.name in ("swap", "masked_swap") for e in _walk(jaxpr))
 
 
 def _innermost_dot_branches(eqn) -> tuple[int, ...]:
@@ -409,7 +416,7 @@ def _has_dma(jaxpr) -> bool:
     return any(e.primitive.name in ("dma_start", "dma_wait") for e in _walk(jaxpr))
 
 
-def interpret(jaxpr, inputs, *, grid_index, grid, steps, conds=None, active=None, trace=None):
+def interpret(jaxpr, inputs, *, grid_index, grid, steps, conds=None, active=None, trace=None, depth=0):
     """Evaluate ``jaxpr`` on per-step values. ``inputs``: numpy arrays (refs
     and scalars are both arrays; a per-step scalar has shape [steps]) or
     UNKNOWN. ``program_id(a)`` is ``grid_index[a]``. Conds are recorded into
@@ -441,11 +448,15 @@ def interpret(jaxpr, inputs, *, grid_index, grid, steps, conds=None, active=None
             if (conds is not None or trace is not None) and index is not UNKNOWN:
                 branch = np.where(active, np.broadcast_to(index, (steps,)), -1)
                 if conds is not None:
-                    conds.append(CondRecord(branch, _innermost_dot_branches(e),
-                                            tuple(b for b, br in enumerate(branches) if _has_dot(br.jaxpr))))
+                    conds.append(CondRecord(
+                        branch, _innermost_dot_branches(e),
+                        tuple(b for b, br in enumerate(branches) if _has_dot(br.jaxpr)),
+                        tuple(b for b, br in enumerate(branches) if _stores(br.jaxpr) and not _has_dot(br.jaxpr)
+                              and not any(o.jaxpr.eqns for o in branches if o is not br)),
+                        depth))
                 for b, br in enumerate(branches):  # nested conds: recorded where this branch runs
                     interpret(br.jaxpr, ins[1:], grid_index=grid_index, grid=grid, steps=steps,
-                              conds=conds, active=active & (branch == b), trace=trace)
+                              conds=conds, active=active & (branch == b), trace=trace, depth=depth + 1)
         elif name in ("scan", "while") and trace is not None:
             _interpret_loop(e, ins, trace, grid_index=grid_index, grid=grid, steps=steps, active=active)
         elif name in ("dma_start", "dma_wait") and trace is not None:
@@ -460,7 +471,7 @@ def interpret(jaxpr, inputs, *, grid_index, grid, steps, conds=None, active=None
                                            (_sem_key(dst_sem, read),), trace.wait_ids.get(id(e), -1)))
         elif (body := _call_body(e)) is not None:
             outs = interpret(getattr(body, "jaxpr", body), ins, grid_index=grid_index, grid=grid, steps=steps,
-                             conds=conds, active=active, trace=trace)
+                             conds=conds, active=active, trace=trace, depth=depth)
         elif not known:
             pass
         elif name in _BINARY:
@@ -596,6 +607,9 @@ class GridReplay:
     # Every MXU pl.when body, enclosing ones too, in program order (an enclosing
     # body before those nested in it), [steps] bool each.
     mxu_taken_all: list[np.ndarray] | None = None
+    # The kernel's top-level pl.when bodies with vector stores and no MXU work
+    # (init / finish of an accumulator), program order, [steps] bool each.
+    vector_taken: list[np.ndarray] | None = None
 
     @property
     def steps(self) -> int:
@@ -659,11 +673,12 @@ def replay(call: KernelCall, known_refs: dict[int, np.ndarray] | None = None) ->
               conds=conds, trace=trace)
     taken = [np.isin(c.branch, b) for c in conds for b in c.dot_branches]
     taken_all = [np.isin(c.branch, b) for c in conds for b in c.all_dot_branches]
+    vector_taken = [np.isin(c.branch, c.store_branches) for c in conds if c.depth == 0 and c.store_branches]
     buffers = [getattr(bm.pipeline_mode, "buffer_count", None) or 2 for bm in gm.block_mappings]
     # memory_space=ANY or HBM: the operand stays in HBM, the kernel copies what it needs itself
     manual = [str(getattr(bm.block_aval, "memory_space", "")) in ("any", "hbm") for bm in gm.block_mappings]
     return GridReplay(tuple(grid), block_indices, block_bytes, is_output, taken, buffers, whole,
-                      trace.loops, trace.dmas, manual, taken_all)
+                      trace.loops, trace.dmas, manual, taken_all, vector_taken)
 
 
 # ----------------------------------------------------------------------------
@@ -816,8 +831,40 @@ def step_cycles(rp: GridReplay, schedule: tpu_schedule.Schedule) -> tuple[np.nda
     # A pipelined grid loop runs one more iteration that only issues step 0's
     # DMAs: the loop minus its step body (the region enclosing the MXU work).
     wrappers = [r for r in schedule.regions_in(loop) if mxu_regions and all(r.contains(m) for m in mxu_regions)]
+    if GATE_VECTOR_REGIONS and rp.vector_taken:
+        cycles = cycles - _vector_skips(rp, schedule, loop, wrappers)
     fill = loop.cycles - max(w.cycles for w in wrappers) if wrappers and rp.mxu_taken is not None else 0
     return cycles, matched, fill
+
+
+# Experimental (off): charge the kernel's vector-only pl.when bodies (an
+# accumulator's init and finish) only on the steps that run them, as the MXU
+# bodies are; by default every step pays for them.
+GATE_VECTOR_REGIONS = os.environ.get("TPU_ESTIMATOR_GATE_VECTOR_REGIONS") == "1"
+VECTOR_REGION_MIN_CYCLES = 100
+
+
+def _vector_skips(rp: GridReplay, schedule: tpu_schedule.Schedule, loop, wrappers) -> np.ndarray:
+    """Per step, the cycles of the vector-only regions it skips: the schedule's
+    top-level regions without MXU work (of at least ``VECTOR_REGION_MIN_CYCLES``;
+    the pipeline's own DMA guards are shorter) paired in order with the kernel's
+    top-level vector ``pl.when`` bodies; zeros where the counts differ."""
+    mxu = [r for r in schedule.regions_in(loop) if r.mxu_ops and r not in wrappers]
+    candidates = [r for r in schedule.regions_in(loop)
+                  if not r.mxu_ops and r.cycles >= VECTOR_REGION_MIN_CYCLES and not any(m.contains(r) for m in mxu)]
+    top = [r for r in candidates if not any(o.contains(r) for o in candidates)]
+    if os.environ.get("TPU_ESTIMATOR_DEBUG"):
+        print("vector regions", [(r.start, r.end) for r in top], "bodies", len(rp.vector_taken),
+              [int(t.sum()) for t in rp.vector_taken], "of", rp.steps)
+    skipped = np.zeros(rp.steps, dtype=np.int64)
+    if len(top) < len(rp.vector_taken):
+        return skipped
+    if len(top) > len(rp.vector_taken):  # the largest ones, in order: the pipeline's guards are short
+        keep = sorted(sorted(top, key=lambda r: -r.cycles)[:len(rp.vector_taken)], key=lambda r: r.start)
+        top = keep
+    for region, taken in zip(top, rp.vector_taken):
+        skipped += np.where(taken, 0, region.cycles)
+    return skipped
 
 
 def _nested_skips(rp: GridReplay, schedule: tpu_schedule.Schedule, loop) -> np.ndarray | None:

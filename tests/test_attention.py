@@ -545,10 +545,48 @@ def test_masked_blocks_cost_no_compute_and_no_dma(sq, skv, causal, window, live_
                          block_sizes=(min(4 * sq, 512), 512))
     assert plan.live <= live_at_most * plan.dense
     assert plan.fetched <= plan.live + 1  # a skipped step re-uses the block in VMEM
+    if sq > 1 and not window:  # the grid walks only the live (query block, KV block) pairs: no empty step
+        assert plan.grid_steps == plan.live
     if window:  # the grid itself spans only the window's blocks
         assert plan.grid_steps <= 3 * plan.dense // (skv // 512)
     if sq == 1:  # and only the filled part of a static cache: 2 blocks of 512 for 1000 keys
         assert plan.grid_steps == 2
+
+
+def test_compact_walk_takes_each_live_pair_once_in_query_block_order():
+    """The forward's compacted walk, on the host: per batch row every query
+    block's visible KV blocks in order (one step for a block that sees none),
+    then padding pairs on the row's last query block that reach no block."""
+    rows, sq, skv, block_q, block_k = 512, 256, 256, 32, 64
+    start, end = np.array([0, 40, 0], np.int32), np.array([256, 200, 0], np.int32)  # row 2 sees no key
+    key_bounds = kr.rule_key_bounds(start, end, sq=sq, skv=skv, causal=True, window=0)
+    nq, nkv = rows // block_q, -(-skv // block_k)
+    _, _, _, table = kr.ranges_and_table(key_bounds, rows // sq, sq=sq, skv=skv, causal=True, window=0,
+                                         num_q_blocks=nq, block_q=block_q, block_k=block_k)
+    walk_q, walk_step, length = (np.asarray(x) for x in kr.compact_walk(table, num_q_blocks=nq, num_kv_blocks=nkv))
+    entries = np.asarray(table).reshape(len(start), nq, kr.TABLE_COLUMNS)
+    expected = [[(qb, step) for qb in range(nq)
+                 for step in range(max(1, min(nkv, e[qb, kr.LAST] - e[qb, kr.FIRST] + 1)))] for e in entries]
+    assert int(length) == max(map(len, expected)) < nq * nkv
+    for b, pairs in enumerate(expected):
+        got = list(zip(walk_q[b * nq * nkv:][:int(length)].tolist(), walk_step[b * nq * nkv:][:int(length)].tolist()))
+        assert got[:len(pairs)] == pairs, b
+        assert all(p == (nq - 1, kr.DEAD_STEP) for p in got[len(pairs):]), b
+    assert len(expected[2]) == nq and len(expected[1]) < len(expected[0])
+
+
+def test_rectangular_grid_past_the_walk_cap_matches_float64(monkeypatch):
+    """Past ``COMPACT_WALK_MAX_PAIRS`` the grid stays rectangular (every query
+    block takes the most steps any takes): same results, more grid steps."""
+    monkeypatch.setattr(kr, "COMPACT_WALK_MAX_PAIRS", 0)
+    q, k, v, _ = _inputs((2, 4, 2, 200, 300, 16, 16), torch.float32, seed=21)
+    start, end = np.array([0, 60], np.int32), np.array([300, 250], np.int32)
+    plan = kv_block_plan(start, end, rows=400, sq=200, skv=300, causal=True, window=0, block_sizes=(64, 128))
+    assert plan.grid_steps > plan.live
+    visible = reference.attention_rule_mask(start, end, 200, 300, causal=True, window=0)
+    got = attention_tpu.attention(q, k, v, attention_mask=torch.from_numpy(visible), block_sizes=(64, 128),
+                                  impl="interpret")
+    _check(got, reference.attention(q, k, v, visible, scale=0.25), torch.float32, "rectangular grid")
 
 
 def test_a_call_where_no_row_sees_a_key_still_writes_zeros():

@@ -52,9 +52,10 @@ cache is partly filled for most of a generation.
 
 Prefill blocks of 2048 x 2048 (bf16, head_dim 128: a 23 MiB working set, inside
 the 24 MiB budget of v5e, v6e, v5p and tpu7x) halve the grid steps of 1024 x
-1024: a causal prefill's grid is rectangular (query blocks x the most KV
-blocks any of them sees), so nearly half its steps do no work, and each still costs
-~850 cycles (v6e: 896 such steps, 436 us of 3077 at 1024 x 1024); the larger
+1024: a causal prefill's grid was rectangular then (query blocks x the most KV
+blocks any of them sees), so nearly half its steps did no work, and each still cost
+~850 cycles (v6e: 896 such steps, 436 us of 3077 at 1024 x 1024; the grid now
+walks only the live pairs, below); the larger
 tiles also amortise the per-step softmax bookkeeping (an unmasked 1024 x 2048
 tile costs 6818 cycles, two 1024 x 1024 ones 7580). tpu7x: 2609 us at 1024 x
 1024, 2492 at 1024 x 2048, 2340 at 2048 x 2048. Tall tiles lose (2048 x
