@@ -837,9 +837,17 @@ def step_cycles(rp: GridReplay, schedule: tpu_schedule.Schedule) -> tuple[np.nda
     return cycles, matched, fill
 
 
-# Experimental (off): charge the kernel's vector-only pl.when bodies (an
-# accumulator's init and finish) only on the steps that run them, as the MXU
-# bodies are; by default every step pays for them.
+# Experimental, off (TPU_ESTIMATOR_GATE_VECTOR_REGIONS=1): charge the kernel's
+# vector-only pl.when bodies (an accumulator's init and finish) only on the
+# steps that run them, as the MXU bodies are; by default every step pays for
+# them (a flash-attention step over one of several KV blocks: ~1250 cycles on
+# v6e / tpu7x, ~2400 on v5e). Against the measured tables (tokamax's
+# splash-based forward, causal entries over several KV blocks): v6e 14 entries,
+# median estimate / measured 1.03 -> 0.97, D64 entries 1.06-1.18 -> 0.99-1.04,
+# D128 / D256 ones 0.94-1.04 -> 0.89-0.97; tpu7x 10 entries, all lower (0.70-0.98
+# -> 0.67-0.85, where the chip already reads low). Not adopted: the per-step
+# charge stands in for costs the model lacks on some kernels, and adopting it
+# means re-running the calibration and every table.
 GATE_VECTOR_REGIONS = os.environ.get("TPU_ESTIMATOR_GATE_VECTOR_REGIONS") == "1"
 VECTOR_REGION_MIN_CYCLES = 100
 

@@ -571,7 +571,7 @@ def test_compact_walk_takes_each_live_pair_once_in_query_block_order():
     for b, pairs in enumerate(expected):
         got = list(zip(walk_q[b * nq * nkv:][:int(length)].tolist(), walk_step[b * nq * nkv:][:int(length)].tolist()))
         assert got[:len(pairs)] == pairs, b
-        assert all(p == (nq - 1, kr.DEAD_STEP) for p in got[len(pairs):]), b
+        assert all(p == (nq - 1, nkv) for p in got[len(pairs):]), b
     assert len(expected[2]) == nq and len(expected[1]) < len(expected[0])
 
 

@@ -125,6 +125,21 @@ computes one of four): v6e 2237 -> 2112 us, tpu7x 1922 -> 1831, v5e 3142 ->
 2900; 128 x 128 sub-tiles lose (v6e 3060), and a longer window leaves too little
 to skip (Gemma-4 sliding-512, D256: 327 -> 353, not taken).
 
+Compacted walk (``flash_forward.compacts_walk``, ``key_ranges.compact_walk``):
+a causal prefill without a window walks only its live (query block, KV block)
+pairs on one flat grid axis, instead of query blocks x the most KV blocks any
+of them sees (Llama-3-8B 8k at 2048 x 2048: 320 steps instead of 512, the
+192 empty ones each estimated at 1525 cycles on v6e, 2630 on v5e: the
+pipeline's step and the softmax's init / store regions). Estimated us,
+forward, rectangular -> compacted: Llama-3-8B 8k v6e 1891 -> 1739, tpu7x 1699
+-> 1565, v5e 4013 -> 3697; 32k v6e 29123 -> 25639, tpu7x 25426 -> 22510;
+Qwen3 8k v6e 1881 -> 1730; Gemma-4 global D512 4k v6e 283 -> 274, tpu7x 214
+-> 206. A step reads its pair from SMEM (an interior step +81 cycles), which
+loses where the rectangle has few empty steps: a window's grid already spans
+only its blocks (v6e gpt-oss sliding-128 2112 -> 2185, Gemma-4 sliding-512
+327 -> 336), so windows keep the rectangular grid, as do KV splits and more
+than ``COMPACT_WALK_MAX_PAIRS`` pairs (SMEM).
+
 Row sums on the MXU (``ROW_SUMS_ON_MXU``: v6e): a tile's softmax denominators
 come from the P V product with a block of 128 ones appended to V (each row's
 sum lands lane-replicated, as the statistics are kept) instead of a

@@ -237,9 +237,6 @@ def kv_steps(table, *, num_kv_blocks: int, splits: int):
 # scalars per pair in SMEM: at most this many pairs (batch x query blocks x KV
 # blocks); past it the grid stays rectangular.
 COMPACT_WALK_MAX_PAIRS = 16384
-# The step of a padding pair (past a batch row's own pairs): no KV block of any
-# query block is this far from its first, so nothing runs there.
-DEAD_STEP = 1 << 20
 
 
 def query_block_steps(table, q_block, *, num_kv_blocks: int):
@@ -257,7 +254,8 @@ def compact_walk(table, *, num_q_blocks: int, num_kv_blocks: int):
     as ``[B * num_q_blocks * num_kv_blocks]`` int32 each (pair ``f`` of row
     ``b`` at ``b * num_q_blocks * num_kv_blocks + f``) and the grid's length,
     the most pairs of any row. A row's padding pairs stay on its last query
-    block at ``DEAD_STEP`` (no DMA, nothing computed, stored or initialised).
+    block at step ``num_kv_blocks``, past the last KV block any query block
+    sees from its first (no DMA, nothing computed, stored or initialised).
     The rectangular grid instead gives every query block the most steps any
     has: a causal prefill's query blocks see 1 to all KV blocks, so about half
     of its steps were empty (Llama-3-8B 8k at 2048 x 2048 blocks: 192 of 512)."""
@@ -269,7 +267,7 @@ def compact_walk(table, *, num_q_blocks: int, num_kv_blocks: int):
     q_block = jax.vmap(lambda e: jnp.searchsorted(e, pairs, side="right"))(ends)
     q_block = jnp.minimum(q_block, num_q_blocks - 1).astype(jnp.int32)
     step = pairs[None, :] - (jnp.take_along_axis(ends, q_block, axis=1) - jnp.take_along_axis(steps, q_block, axis=1))
-    step = jnp.where(pairs[None, :] < totals[:, None], step, DEAD_STEP).astype(jnp.int32)
+    step = jnp.where(pairs[None, :] < totals[:, None], step, num_kv_blocks).astype(jnp.int32)
     return q_block.reshape(-1), step.reshape(-1), jnp.max(totals).astype(jnp.int32)
 
 
