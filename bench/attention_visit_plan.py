@@ -29,11 +29,11 @@ def kv_block_plan(kv_start, kv_end, *, rows: int, sq: int, skv: int, causal: boo
     block steps that compute, the K/V block fetches (a fetch happens when the
     clamped block index changes between consecutive steps), the grid's steps,
     and the dense count (every query block against every KV block)."""
-    shape = jax.ShapeDtypeStruct((1, rows // sq, sq, head_dim), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((1, 1, skv, head_dim), jnp.bfloat16)
+    batch = len(kv_start)  # the plan's (its walk's) as the kernel makes it for this batch
+    shape = jax.ShapeDtypeStruct((batch, rows // sq, sq, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((batch, 1, skv, head_dim), jnp.bfloat16)
     plan = flash_forward.forward_plan(shape, kv, kv, block_sizes, kv_splits, generation, causal, window)
     key_bounds = kr.rule_key_bounds(kv_start, kv_end, sq=sq, skv=skv, causal=causal, window=window)
-    batch = len(key_bounds)
     table = np.asarray(kr.visit_table(kr.row_bounds(key_bounds, rows // sq), num_q_blocks=plan.num_q_blocks,
                                       block_q=plan.block_q, block_k=plan.block_k, rows=rows)).reshape(
         batch, plan.num_q_blocks, kr.TABLE_COLUMNS)

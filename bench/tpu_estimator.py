@@ -856,20 +856,17 @@ def _vector_skips(rp: GridReplay, schedule: tpu_schedule.Schedule, loop, wrapper
     """Per step, the cycles of the vector-only regions it skips: the schedule's
     top-level regions without MXU work (of at least ``VECTOR_REGION_MIN_CYCLES``;
     the pipeline's own DMA guards are shorter) paired in order with the kernel's
-    top-level vector ``pl.when`` bodies; zeros where the counts differ."""
+    top-level vector ``pl.when`` bodies (the largest regions where there are
+    more); zeros where there are fewer."""
     mxu = [r for r in schedule.regions_in(loop) if r.mxu_ops and r not in wrappers]
     candidates = [r for r in schedule.regions_in(loop)
                   if not r.mxu_ops and r.cycles >= VECTOR_REGION_MIN_CYCLES and not any(m.contains(r) for m in mxu)]
     top = [r for r in candidates if not any(o.contains(r) for o in candidates)]
-    if os.environ.get("TPU_ESTIMATOR_DEBUG"):
-        print("vector regions", [(r.start, r.end) for r in top], "bodies", len(rp.vector_taken),
-              [int(t.sum()) for t in rp.vector_taken], "of", rp.steps)
     skipped = np.zeros(rp.steps, dtype=np.int64)
     if len(top) < len(rp.vector_taken):
         return skipped
     if len(top) > len(rp.vector_taken):  # the largest ones, in order: the pipeline's guards are short
-        keep = sorted(sorted(top, key=lambda r: -r.cycles)[:len(rp.vector_taken)], key=lambda r: r.start)
-        top = keep
+        top = sorted(sorted(top, key=lambda r: -r.cycles)[:len(rp.vector_taken)], key=lambda r: r.start)
     for region, taken in zip(top, rp.vector_taken):
         skipped += np.where(taken, 0, region.cycles)
     return skipped

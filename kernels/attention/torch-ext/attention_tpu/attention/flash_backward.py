@@ -108,9 +108,9 @@ def _sub_tiles_by_kind(accumulate, live_step, sub_table_ref, start_ref, end_ref,
         kinds[i, j] = (live & live_step, whole)
         body[i, j] = functools.partial(accumulate, q_sub=q_sub, kv_sub=kv_sub, rs=rs, ks=ks)
     # A tile of one sub-tile: the per-sub-tile regions below are already whole-tile regions.
-    one_region = len(tiles) > 1
+    several = len(tiles) > 1
     by_kind = jnp.bool_(True)
-    if one_region:
+    if several:
         all_whole = functools.reduce(jnp.logical_and, (live & whole for live, whole in kinds.values()))
         by_kind = jnp.logical_not(all_whole)
 
@@ -120,7 +120,7 @@ def _sub_tiles_by_kind(accumulate, live_step, sub_table_ref, start_ref, end_ref,
                 body[i, j](None)
 
     offsets = kr.static_offsets(block_q, block_k, sub_q, sq=rule.sq, causal=rule.causal,
-                                window=rule.window) if one_region and sub_q == sub_k else ()
+                                window=rule.window) if several and sub_q == sub_k else ()
     if offsets:
         by_rule = functools.reduce(jnp.logical_and, (
             kr.table_entry(sub_table_ref, b, q_block * per_q + i, kr.RULE, num_q_subs) == 1 for i in range(per_q)))

@@ -239,12 +239,11 @@ def kv_steps(table, *, num_kv_blocks: int, splits: int):
 COMPACT_WALK_MAX_PAIRS = 16384
 
 
-def query_block_steps(table, q_block, *, num_kv_blocks: int):
+def query_block_steps(first, last, *, num_kv_blocks: int):
     """The KV steps a query block takes in a compacted walk: the blocks
-    ``[FIRST, LAST]`` it sees, at least one (its first step initialises, its
-    last stores: a block that sees no key still writes its zeros). ``table``:
-    the visit table's entries ``[..., TABLE_COLUMNS]`` or a kernel's lookup."""
-    first, last = (table(FIRST), table(LAST)) if callable(table) else (table[..., FIRST], table[..., LAST])
+    ``[first, last]`` it sees (its visit table entries), at least one (its
+    first step initialises, its last stores: a block that sees no key still
+    writes its zeros)."""
     return jnp.clip(last - first + 1, 1, num_kv_blocks)
 
 
@@ -260,7 +259,7 @@ def compact_walk(table, *, num_q_blocks: int, num_kv_blocks: int):
     has: a causal prefill's query blocks see 1 to all KV blocks, so about half
     of its steps were empty (Llama-3-8B 8k at 2048 x 2048 blocks: 192 of 512)."""
     entries = table.reshape(-1, num_q_blocks, TABLE_COLUMNS)
-    steps = query_block_steps(entries, None, num_kv_blocks=num_kv_blocks)  # [B, Qb]
+    steps = query_block_steps(entries[..., FIRST], entries[..., LAST], num_kv_blocks=num_kv_blocks)  # [B, Qb]
     ends = jnp.cumsum(steps, axis=1)
     totals = ends[:, -1]
     pairs = jnp.arange(num_q_blocks * num_kv_blocks, dtype=jnp.int32)
