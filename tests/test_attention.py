@@ -575,6 +575,41 @@ def test_compact_walk_takes_each_live_pair_once_in_query_block_order():
     assert len(expected[2]) == nq and len(expected[1]) < len(expected[0])
 
 
+@pytest.mark.parametrize("first, count", [(0, 4), (2, 2)], ids=["all", "some"])
+def test_compact_key_walk_takes_each_live_pair_once_in_key_block_order(first, count):
+    """The backward dk/dv kernel's compacted walk over KV blocks ``[first, first
+    + count)``, on the host: per batch row each KV block's query blocks that
+    see it in order (a KV block none sees: one pair, on the last query block),
+    then padding pairs naming KV block ``count`` on the row's last pair's query
+    block. Query blocks of two heads: a KV block's live ones are not one run."""
+    rows, sq, skv, block_q, block_k = 512, 256, 256, 32, 64
+    start, end = np.array([0, 40, 0], np.int32), np.array([256, 130, 0], np.int32)  # row 2 sees no key
+    key_bounds = kr.rule_key_bounds(start, end, sq=sq, skv=skv, causal=True, window=0)
+    nq = rows // block_q
+    _, _, _, table = kr.ranges_and_table(key_bounds, rows // sq, sq=sq, skv=skv, causal=True, window=0,
+                                         num_q_blocks=nq, block_q=block_q, block_k=block_k)
+    walk_kv, walk_q, length = (np.asarray(x) for x in kr.compact_key_walk(table, num_q_blocks=nq,
+                                                                          first_kv_block=first, count=count))
+    entries = np.asarray(table).reshape(len(start), nq, kr.TABLE_COLUMNS)
+    expected = []
+    for e in entries:
+        pairs = []
+        for kv in range(first, first + count):
+            seen_by = [qb for qb in range(nq) if e[qb, kr.FIRST] <= kv <= e[qb, kr.LAST]]
+            pairs += [(kv - first, qb) for qb in seen_by or [nq - 1]]
+        expected.append(pairs)
+    assert int(length) == max(map(len, expected)) < count * nq
+    for b, pairs in enumerate(expected):
+        at = b * count * nq
+        got = list(zip(walk_kv[at:at + int(length)].tolist(), walk_q[at:at + int(length)].tolist()))
+        assert got[:len(pairs)] == pairs, b
+        assert all(p == (count, pairs[-1][1]) for p in got[len(pairs):]), b
+    assert expected[2] == [(kv, nq - 1) for kv in range(count)]  # no key seen: one pair per KV block
+    assert any(b - a > 1 for (ka, a), (kb, b) in zip(expected[0], expected[0][1:]) if ka == kb)  # two heads' runs
+    # Row 1's keys end at 130: KV block 3 is seen by none.
+    assert [p for p in expected[1] if p[0] == 3 - first] == [(3 - first, nq - 1)]
+
+
 def test_rectangular_grid_past_the_walk_cap_matches_float64(monkeypatch):
     """Past ``COMPACT_WALK_MAX_PAIRS`` the grid stays rectangular (every query
     block takes the most steps any takes): same results, more grid steps."""
@@ -772,13 +807,16 @@ def test_backward_fuses_dq_by_the_rule():
 
 @pytest.mark.parametrize("window", [0, 20, 40])
 def test_gradients_over_many_blocks_and_window_walks(window, dq_kernel):
-    """Many query and key blocks, causal, with left padding; with a window (query
-    blocks aligned to heads) the dk/dv kernel walks only the window's query
-    blocks of each head and the dq kernel only the window's key blocks (both
-    grids shorter than dense). Gradients equal float64 autograd, with dq in the
-    dk/dv kernel and in its own."""
+    """Many query and key blocks, causal, with left padding; without a window
+    the dk/dv and dq grids walk only the live pairs (compacted), with one
+    (query blocks aligned to heads) the dk/dv kernel walks only the window's
+    query blocks of each head and the dq kernel only the window's key blocks
+    (both grids shorter than dense). Gradients equal float64 autograd, with dq
+    in the dk/dv kernel and in its own."""
     q, k, v, sinks = _inputs((2, 4, 2, 256, 256, 16, 16), torch.float32, seed=15)
-    start, end = np.array([0, 30], np.int32), np.array([256, 256], np.int32)
+    # Row 1 ends at key 120: its second key block is seen by no query (its dk / dv still stored as zeros), and
+    # without a window its compacted walks have fewer pairs than row 0's (padding pairs).
+    start, end = np.array([0, 30], np.int32), np.array([256, 120], np.int32)
     walk = kr.query_walk(16, group=2, block_q=32, block_k=128, sq=256, causal=True, window=window)
     bounds = kr.row_bounds(kr.rule_key_bounds(start, end, sq=256, skv=256, causal=True, window=window), 2)
     table = kr.visit_table(bounds, num_q_blocks=16, block_q=32, block_k=128, rows=512)

@@ -35,7 +35,7 @@ from ..common.pallas_helpers import (FLOAT16_BITS, as_kernel_operand, compiler_p
 from ..common.tile_math import cdiv
 from . import blocks as blocks_lib
 from . import key_ranges as kr
-from .flash_forward import LOG2_E, per_row, shapes_and_blocks
+from .flash_forward import LOG2_E, compacts_walk, per_row, shapes_and_blocks
 
 
 def _recompute(q, k, lse, *, bounds, kv_block, block_k, softcap, scale, transposed=False):
@@ -144,19 +144,28 @@ def _sub_tiles_by_kind(accumulate, live_step, sub_table_ref, start_ref, end_ref,
                           bounds_ref=bounds_ref, b=b, q_block=q_block * per_q + i, bounds_rows=rs, lanes=lanes)
 
 
-def _dkv_kernel(sub_table_ref, q_range_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                bounds_ref, *refs, block_q, block_k, sub_q, sub_k, rows, skv, softcap, scale, num_q_blocks,
-                num_kv_blocks, first_kv_block: int, walk, rule, fused_dq: bool):
+def _dkv_kernel(sub_table_ref, q_range_ref, start_ref, end_ref, walk_kv_ref, walk_q_ref, q_ref, k_ref, v_ref, do_ref,
+                lse_ref, delta_ref, bounds_ref, *refs, block_q, block_k, sub_q, sub_k, rows, skv, softcap, scale,
+                num_q_blocks, num_kv_blocks, first_kv_block: int, count: int, walk, compact: bool, rule,
+                fused_dq: bool):
     if fused_dq:
         dk_ref, dv_ref, dq_part_ref, dk_acc, dv_acc = refs
     else:
         (dk_ref, dv_ref, dk_acc, dv_acc), dq_part_ref = refs, None
-    b, head, step = pl.program_id(0), pl.program_id(3), pl.program_id(4)
-    kv_block = first_kv_block + pl.program_id(2)  # a call may cover some of the key blocks
-    q_block, in_walk = kr.walk_query_block(q_range_ref, b, kv_block, head, step, num_kv_blocks=num_kv_blocks, walk=walk,
-                                        for_dma=False)
-    first_step = (head == 0) & (step == 0)
-    last_step = (head == pl.num_programs(3) - 1) & (step == pl.num_programs(4) - 1)
+    b = pl.program_id(0)
+    if compact:  # one grid axis over the live (KV block, query block) pairs
+        kv_in_call, q_block, in_walk, first_step, last_step = kr.key_walk_position(
+            walk_kv_ref, walk_q_ref, b, pl.program_id(2), pl.num_programs(2), pairs=count * num_q_blocks, count=count)
+        kv_block, dma_block = first_kv_block + kv_in_call, q_block
+    else:
+        head, step = pl.program_id(3), pl.program_id(4)
+        kv_block = first_kv_block + pl.program_id(2)  # a call may cover some of the key blocks
+        q_block, in_walk = kr.walk_query_block(q_range_ref, b, kv_block, head, step, num_kv_blocks=num_kv_blocks,
+                                               walk=walk, for_dma=False)
+        dma_block, _ = kr.walk_query_block(q_range_ref, b, kv_block, head, step, num_kv_blocks=num_kv_blocks,
+                                           walk=walk, for_dma=True)
+        first_step = (head == 0) & (step == 0)
+        last_step = (head == pl.num_programs(3) - 1) & (step == pl.num_programs(4) - 1)
 
     @pl.when(first_step)
     def _init():
@@ -166,9 +175,6 @@ def _dkv_kernel(sub_table_ref, q_range_ref, start_ref, end_ref, q_ref, k_ref, v_
     if fused_dq:
         # This step's query block is the one in VMEM (not a resident block kept
         # over a skipped step): its partial dq over this key block starts here.
-        dma_block, _ = kr.walk_query_block(q_range_ref, b, kv_block, head, step, num_kv_blocks=num_kv_blocks,
-                                           walk=walk, for_dma=True)
-
         @pl.when(in_walk & (dma_block == q_block))
         def _init_dq():
             dq_part_ref[...] = jnp.zeros_like(dq_part_ref)
@@ -206,11 +212,18 @@ def _dkv_kernel(sub_table_ref, q_range_ref, start_ref, end_ref, q_ref, k_ref, v_
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _dq_kernel(table_ref, sub_table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-               bounds_ref, dq_ref, dq_acc, *, block_q, block_k, sub_q, sub_k, rows, skv, softcap, scale, num_q_blocks,
-               rule):
-    b, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    kv_block = kr.table_entry(table_ref, b, q_block, kr.FIRST, num_q_blocks) + step  # walks from the first visible
+def _dq_kernel(table_ref, sub_table_ref, start_ref, end_ref, walk_q_ref, walk_step_ref, q_ref, k_ref, v_ref, do_ref,
+               lse_ref, delta_ref, bounds_ref, dq_ref, dq_acc, *, block_q, block_k, sub_q, sub_k, rows, skv, softcap,
+               scale, num_q_blocks, num_kv_blocks, compact, rule):
+    b = pl.program_id(0)
+    q_block, step = kr.walk_position(b, pl.program_id(2), pl.program_id(3), walk_q_ref, walk_step_ref,
+                                     num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks, compact=compact)
+    entry = functools.partial(kr.table_entry, table_ref, b, q_block, num_q_blocks=num_q_blocks)
+    kv_block = entry(kr.FIRST) + step  # walks from the first visible
+    if compact:  # the query block's own last step
+        last_step = step == kr.query_block_steps(entry(kr.FIRST), entry(kr.LAST), num_kv_blocks=num_kv_blocks) - 1
+    else:
+        last_step = step == pl.num_programs(3) - 1
 
     @pl.when(step == 0)
     def _init():
@@ -229,51 +242,72 @@ def _dq_kernel(table_ref, sub_table_ref, start_ref, end_ref, q_ref, k_ref, v_ref
                        kv_block=kv_block, block_q=block_q, block_k=block_k, sub_q=sub_q, sub_k=sub_k, rows=rows,
                        skv=skv, num_q_blocks=num_q_blocks, rule=rule, lanes=False)
 
-    @pl.when(step == pl.num_programs(3) - 1)
+    @pl.when(last_step)
     def _store():
         dq_ref[...] = (dq_acc[...] * scale).astype(dq_ref.dtype)
 
 
-def _dkv_call(inputs, first: int, count: int, keys: int, *, walk, walk_steps, fused_dq: bool, large_vmem: bool,
-              skv: int, num_kv_blocks: int, padded_rows: int, operands, semantics, generation, interpret, k, v, common):
+def _dkv_call(inputs, table, first: int, count: int, keys: int, *, walk, walk_steps, compact: bool, fused_dq: bool,
+              large_vmem: bool, skv: int, num_kv_blocks: int, padded_rows: int, operands, generation, interpret, k, v,
+              common):
     """The dk/dv kernel over key blocks ``[first, first + count)``: ``(dk, dv)``
     of their ``keys`` rows and, ``fused_dq``, their f32 parts of dq ``[B, Hkv,
-    count, padded rows, D]``."""
+    count, padded rows, D]``. ``compact``: its grid walks only the blocks' live
+    (KV block, query block) pairs (``key_ranges.compact_key_walk``), else each
+    KV block walks ``walk``'s query blocks."""
     batch, hkv, _, d = k.shape
     dv = v.shape[-1]
-    block_q, block_k = common["block_q"], common["block_k"]
+    block_q, block_k, num_q_blocks = common["block_q"], common["block_k"], common["num_q_blocks"]
+    pairs = count * num_q_blocks
+    if compact:
+        walk_kv, walk_q, length = kr.compact_key_walk(table, num_q_blocks=num_q_blocks, first_kv_block=first,
+                                                      count=count)
+        grid, semantics = (batch, hkv, length), ("parallel", "parallel", "arbitrary")
+    else:
+        walk_kv = walk_q = jnp.zeros((1,), jnp.int32)  # placeholders
+        grid = (batch, hkv, count, walk.heads, walk_steps)
+        semantics = ("parallel", "parallel", "parallel", "arbitrary", "arbitrary")
 
-    def q_at(b, h, kb, head, step, sub_table_ref, q_range_ref, *_):
-        q_block, _ = kr.walk_query_block(q_range_ref, b, first + kb, head, step, num_kv_blocks=num_kv_blocks,
-                                         walk=walk, for_dma=True)
-        return b, h, q_block, 0
+    def position(b, h, *axes_and_refs):
+        """(KV block within the call, query block to read) of a grid step."""
+        if compact:
+            f, *refs = axes_and_refs
+            at = b * pairs + f
+            return jnp.minimum(refs[-2][at], count - 1), refs[-1][at]
+        kb, head, step, _, q_range_ref, *_ = axes_and_refs
+        return kb, kr.walk_query_block(q_range_ref, b, first + kb, head, step, num_kv_blocks=num_kv_blocks,
+                                       walk=walk, for_dma=True)[0]
 
-    def q_lanes_at(*grid_and_refs):
-        b, h, q_block, _ = q_at(*grid_and_refs)
-        return b, h, q_block, 0, 0
+    def q_at(b, h, *rest):
+        return b, h, position(b, h, *rest)[1], 0
 
-    def q_bounds_at(*grid_and_refs):
-        b, _, q_block, _ = q_at(*grid_and_refs)
-        return b, q_block, 0, 0
+    def q_lanes_at(b, h, *rest):
+        return b, h, position(b, h, *rest)[1], 0, 0
 
-    kv_at = lambda b, h, kb, head, step, *_: (b, h, first + kb, 0)  # noqa: E731
-    out_at = lambda b, h, kb, head, step, *_: (b, h, kb, 0)  # noqa: E731
+    def q_bounds_at(b, h, *rest):
+        return b, position(b, h, *rest)[1], 0, 0
+
+    def kv_at(b, h, *rest):
+        return b, h, first + position(b, h, *rest)[0], 0
+
+    def out_at(b, h, *rest):
+        return b, h, position(b, h, *rest)[0], 0
+
     dq_parts = []
     if fused_dq:
 
-        def dq_part_at(*grid_and_refs):
-            b, h, q_block, _ = q_at(*grid_and_refs)
-            return b, h, grid_and_refs[2], q_block, 0
+        def dq_part_at(b, h, *rest):
+            return (b, h, *position(b, h, *rest), 0)
 
         dq_parts = [(out_struct((batch, hkv, count, padded_rows, d), jnp.float32, *operands),
                      pl.BlockSpec((None, None, None, block_q, d), dq_part_at))]
     return pl.pallas_call(
-        functools.partial(_dkv_kernel, num_kv_blocks=num_kv_blocks, first_kv_block=first, walk=walk, skv=skv,
-                          fused_dq=fused_dq, **common),
+        functools.partial(_dkv_kernel, num_kv_blocks=num_kv_blocks, first_kv_block=first, count=count, walk=walk,
+                          compact=compact, skv=skv, fused_dq=fused_dq, **common),
         out_shape=(out_struct((batch, hkv, keys, d), kernel_dtype(k.dtype), *operands),
                    out_struct((batch, hkv, keys, dv), kernel_dtype(v.dtype), *operands), *(o for o, _ in dq_parts)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4, grid=(batch, hkv, count, walk.heads, walk_steps),
+            num_scalar_prefetch=6, grid=grid,
             in_specs=[pl.BlockSpec((None, None, block_q, d), q_at), pl.BlockSpec((None, None, block_k, d), kv_at),
                       pl.BlockSpec((None, None, block_k, dv), kv_at), pl.BlockSpec((None, None, block_q, dv), q_at),
                       pl.BlockSpec((None, None, None, 1, block_q), q_lanes_at),
@@ -283,10 +317,10 @@ def _dkv_call(inputs, first: int, count: int, keys: int, *, walk, walk_steps, fu
                        *(spec for _, spec in dq_parts)],
             scratch_shapes=[pltpu.VMEM((block_k, d), jnp.float32), pltpu.VMEM((block_k, dv), jnp.float32)],
         ),
-        compiler_params=compiler_params(generation, semantics + ("arbitrary",), large_vmem=fused_dq or large_vmem),
+        compiler_params=compiler_params(generation, semantics, large_vmem=fused_dq or large_vmem),
         interpret=interpret,
         name="flash_attention_bwd_dkv",
-    )(*inputs)
+    )(*inputs[:4], walk_kv, walk_q, *inputs[4:])
 
 
 def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *, causal: bool = True,
@@ -322,7 +356,6 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
                   block_q=block_q, block_k=block_k, sub_q=sub_q, sub_k=sub_k,
                   rule=kr.KernelRule(sub_q, sq, skv, causal, window))
     operands = (q, k, v, dout, key_bounds)
-    semantics = ("parallel", "parallel", "parallel", "arbitrary")
 
     # dk, dv: each key block walks the query blocks; those that do not see it
     # keep the resident query-side blocks (no DMA).
@@ -353,9 +386,10 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
     for first in range(0, num_kv_blocks, per_call):
         count = min(per_call, num_kv_blocks - first)
         keys = min(count * block_k, skv - first * block_k)  # the last call's may end inside its last block
+        compact = not walk.relative and compacts_walk(1, batch * count * num_q_blocks, causal=causal, window=window)
         dk_c, dv_c, *dq_part = _dkv_call(
-            inputs, first, count, keys, walk=walk, walk_steps=walk_steps, fused_dq=fused_dq, large_vmem=large_vmem,
-            skv=skv, num_kv_blocks=num_kv_blocks, padded_rows=padded_rows, operands=operands, semantics=semantics,
+            inputs, table, first, count, keys, walk=walk, walk_steps=walk_steps, compact=compact, fused_dq=fused_dq,
+            large_vmem=large_vmem, skv=skv, num_kv_blocks=num_kv_blocks, padded_rows=padded_rows, operands=operands,
             generation=generation, interpret=interpret, k=k, v=v, common=common)
         dk_parts.append(dk_c)
         dv_parts.append(dv_c)
@@ -368,33 +402,46 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
         dq = dq[:, :, :rows] * scale
         return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv_.astype(v.dtype), d_sinks
 
-    # dq: each query block walks the key blocks it sees (skipped ones re-use the resident block).
-    kv_walk = kr.kv_steps(table, num_kv_blocks=num_kv_blocks, splits=1)
+    # dq: each query block walks the key blocks it sees, as the forward does: the live pairs only
+    # (compacted), or a rectangle whose skipped steps re-use the resident block.
     where = dict(num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks)
+    compact = compacts_walk(1, batch * num_q_blocks * num_kv_blocks, causal=causal, window=window)
+    if compact:
+        walk_q, walk_step, length = kr.compact_walk(table, **where)
+        grid = (batch, hkv, 1, length)
+    else:
+        walk_q = walk_step = jnp.zeros((1,), jnp.int32)  # placeholders
+        grid = (batch, hkv, num_q_blocks, kr.kv_steps(table, num_kv_blocks=num_kv_blocks, splits=1))
 
-    def kv_index(b, h, qb, step, table_ref, *_):
+    def kv_index(b, h, qb, step, table_ref, _, __, ___, walk_q_ref, walk_step_ref):
+        qb, step = kr.walk_position(b, qb, step, walk_q_ref, walk_step_ref, compact=compact, **where)
         kv_block = kr.table_entry(table_ref, b, qb, kr.FIRST, num_q_blocks) + step
         return b, h, kr.clamped_kv_index(table_ref, b, qb, kv_block, **where), 0
 
-    row_block = lambda b, h, qb, step, *_: (b, h, qb, 0)  # noqa: E731
+    def row_block(b, h, qb, step, *refs):
+        return b, h, kr.walk_position(b, qb, step, *refs[-2:], compact=compact, **where)[0], 0
+
+    def bounds_block(b, h, qb, step, *refs):
+        return b, kr.walk_position(b, qb, step, *refs[-2:], compact=compact, **where)[0], 0
+
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, skv=skv, **common),
+        functools.partial(_dq_kernel, skv=skv, num_kv_blocks=num_kv_blocks, compact=compact, **common),
         out_shape=out_struct(q_rows.shape, kernel_dtype(q.dtype), *operands),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4, grid=(batch, hkv, num_q_blocks, kv_walk),
+            num_scalar_prefetch=6, grid=grid,
             in_specs=[pl.BlockSpec((None, None, block_q, d), row_block),
                       pl.BlockSpec((None, None, block_k, d), kv_index),
                       pl.BlockSpec((None, None, block_k, dv), kv_index),
                       pl.BlockSpec((None, None, block_q, dv), row_block),
                       pl.BlockSpec((None, None, block_q, 1), row_block),
                       pl.BlockSpec((None, None, block_q, 1), row_block),
-                      pl.BlockSpec((None, block_q, 2), lambda b, h, qb, step, *_: (b, qb, 0))],
+                      pl.BlockSpec((None, block_q, 2), bounds_block)],
             out_specs=pl.BlockSpec((None, None, block_q, d), row_block),
             scratch_shapes=[pltpu.VMEM((block_q, d), jnp.float32)],
         ),
-        compiler_params=compiler_params(generation, semantics, large_vmem=large_vmem),
+        compiler_params=compiler_params(generation, ("parallel",) * 3 + ("arbitrary",), large_vmem=large_vmem),
         interpret=interpret,
         name="flash_attention_bwd_dq",
-    )(table, sub_table, start, end, *map(as_kernel_operand, (q_rows, k, v, do_rows)), lse, delta, bounds)
+    )(table, sub_table, start, end, walk_q, walk_step, *map(as_kernel_operand, (q_rows, k, v, do_rows)), lse, delta, bounds)
     # float16 operands: the kernels computed and stored float32 (see pallas_helpers.load).
     return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv_.astype(v.dtype), d_sinks

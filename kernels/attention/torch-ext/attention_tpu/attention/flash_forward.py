@@ -63,7 +63,7 @@ def _flash_kernel(table_ref, sub_table_ref, steps_ref, start_ref, end_ref, walk_
                   sub_k: int, fold_k: int, static_tile_size: int, skv: int, softcap: float, scale: float,
                   num_q_blocks: int, num_kv_blocks: int, compact: bool, rule: kr.KernelRule, sum_on_mxu: bool):
     b, split = pl.program_id(0), pl.program_id(2)
-    q_block, step = _walk_position(b, pl.program_id(3), pl.program_id(4), walk_q_ref, walk_step_ref,
+    q_block, step = kr.walk_position(b, pl.program_id(3), pl.program_id(4), walk_q_ref, walk_step_ref,
                                    num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks, compact=compact)
     entry = functools.partial(kr.table_entry, table_ref, b, q_block, num_q_blocks=num_q_blocks)
     kv_block = kr.kv_block_of_step(entry, split, step, pl.num_programs(4))
@@ -162,15 +162,6 @@ def _flash_kernel(table_ref, sub_table_ref, steps_ref, start_ref, end_ref, walk_
         out, lse = finished_rows(m_ref[...], l_ref[...], acc_ref[...], base2=base2)
         o_ref[...] = out.astype(o_ref.dtype)
         lse_ref[...] = lse
-
-
-def _walk_position(b, q_axis, kv_axis, walk_q_ref, walk_step_ref, *, num_q_blocks, num_kv_blocks, compact):
-    """``(query block, KV step)`` of a grid step: the grid's own axes, or in a
-    compacted walk (``key_ranges.compact_walk``) the pair the KV axis counts."""
-    if not compact:
-        return q_axis, kv_axis
-    pair = b * (num_q_blocks * num_kv_blocks) + kv_axis
-    return walk_q_ref[pair], walk_step_ref[pair]
 
 
 def shapes_and_blocks(rule, q, v, block_sizes, causal, window, generation):
@@ -326,7 +317,7 @@ def _grid_forward(q, k, v, key_bounds, bounds, start, end, table, sub_table, pla
     where = dict(num_q_blocks=plan.num_q_blocks, num_kv_blocks=plan.num_kv_blocks)
 
     def position(b, qb, step, walk_q_ref, walk_step_ref):
-        return _walk_position(b, qb, step, walk_q_ref, walk_step_ref, compact=compact, **where)
+        return kr.walk_position(b, qb, step, walk_q_ref, walk_step_ref, compact=compact, **where)
 
     def kv_at(b, h, split, qb, step, table_ref, sub_table_ref, steps_ref, start_ref, end_ref, *walk):
         qb, step = position(b, qb, step, *walk)

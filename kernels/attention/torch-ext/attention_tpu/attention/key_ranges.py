@@ -270,6 +270,61 @@ def compact_walk(table, *, num_q_blocks: int, num_kv_blocks: int):
     return q_block.reshape(-1), step.reshape(-1), jnp.max(totals).astype(jnp.int32)
 
 
+def walk_position(b, q_axis, kv_axis, walk_q_ref, walk_step_ref, *, num_q_blocks, num_kv_blocks, compact):
+    """``(query block, KV step)`` of a forward (or dq) grid step: the grid's own
+    axes, or in a compacted walk (``compact_walk``) the pair the KV axis counts."""
+    if not compact:
+        return q_axis, kv_axis
+    pair = b * (num_q_blocks * num_kv_blocks) + kv_axis
+    return walk_q_ref[pair], walk_step_ref[pair]
+
+
+def compact_key_walk(table, *, num_q_blocks: int, first_kv_block: int, count: int):
+    """``(kv_blocks, q_blocks, length)``: the backward dk/dv grid's walk over only
+    the live (KV block, query block) pairs of KV blocks ``[first_kv_block,
+    first_kv_block + count)``, KV block by KV block, as ``[B * count *
+    num_q_blocks]`` int32 each (pair ``f`` of row ``b`` at ``b * count *
+    num_q_blocks + f``; KV blocks counted from ``first_kv_block``) and the
+    grid's length, the most pairs of any row. A KV block no query block sees
+    takes one pair on the last query block (its zero dk / dv still stored).
+    A row's padding pairs name KV block ``count`` (past the call's blocks:
+    nothing computed or stored) and the row's last query block (no DMA).
+    The rectangular walk gives every KV block every query block: under a
+    causal mask with query blocks of several heads (Llama-3-8B 8k at 2048 x
+    2048 blocks) 24 of each (batch, KV head)'s 64 steps saw nothing, 18 of
+    them still fetching their query block."""
+    entries = table.reshape(-1, num_q_blocks, TABLE_COLUMNS)
+    kv = first_kv_block + jnp.arange(count, dtype=jnp.int32)[None, :, None]
+    sees = (entries[:, None, :, FIRST] <= kv) & (kv <= entries[:, None, :, LAST])  # [B, count, Qb]
+    last_q = jnp.arange(num_q_blocks) == num_q_blocks - 1
+    live = (sees | (~jnp.any(sees, axis=-1, keepdims=True) & last_q)).reshape(sees.shape[0], -1)
+    order = jnp.argsort(~live, axis=1, stable=True).astype(jnp.int32)  # live pairs first, in (KV, query) order
+    totals = jnp.sum(live, axis=1)
+    within = jnp.arange(live.shape[1], dtype=jnp.int32)[None, :] < totals[:, None]
+    last_pair = jnp.take_along_axis(order, (totals - 1)[:, None], axis=1)
+    kv_blocks = jnp.where(within, order // num_q_blocks, count)
+    q_blocks = jnp.where(within, order, last_pair) % num_q_blocks
+    return (kv_blocks.astype(jnp.int32).reshape(-1), q_blocks.astype(jnp.int32).reshape(-1),
+            jnp.max(totals).astype(jnp.int32))
+
+
+def key_walk_position(walk_kv_ref, walk_q_ref, b, f, length, *, pairs: int, count: int):
+    """``(KV block within the call, query block, live, first, last)`` of pair
+    ``f`` of a compacted dk/dv walk (``compact_key_walk``: ``pairs`` per batch
+    row, a grid of ``length``): ``live`` false on a row's padding pairs,
+    ``first`` / ``last`` the KV block's first / last pair (its accumulators
+    initialise / store)."""
+    at = b * pairs + f
+    kv_rel = walk_kv_ref[at]
+    live = kv_rel < count
+    before = walk_kv_ref[jnp.maximum(at - 1, 0)]
+    # The grid's last pair has no next one in the row; any other's is within it.
+    after = walk_kv_ref[jnp.minimum(at + 1, b * pairs + pairs - 1)]
+    first = live & ((f == 0) | (before != kv_rel))
+    last = live & ((f == length - 1) | (after != kv_rel))
+    return jnp.minimum(kv_rel, count - 1), walk_q_ref[at], live, first, last
+
+
 def expected_kv_steps(num_kv_blocks: int, *, block_q: int, block_k: int, sq: int, causal: bool,
                       window: int) -> int:
     """The KV blocks one query block sees under the rule: every block, or for a
