@@ -323,6 +323,61 @@ def _dkv_call(inputs, table, first: int, count: int, keys: int, *, walk, walk_st
     )(*inputs[:4], walk_kv, walk_q, *inputs[4:])
 
 
+def _dq_sum_kernel(table_ref, parts_ref, *refs, first_kv_block: int, num_q_blocks: int, scale: float, carry: bool,
+                   final: bool):
+    carry_ref, out_ref, acc = refs if carry else (None, *refs)
+    b, q_block, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    live, _ = kr.tile_kinds(table_ref, b, q_block, first_kv_block + j, num_q_blocks=num_q_blocks)
+
+    @pl.when(j == 0)
+    def _init():
+        acc[...] = carry_ref[...] if carry else jnp.zeros_like(acc)
+
+    @pl.when(live)  # a part the dk/dv kernel wrote: its key block is seen by this query block
+    def _add():
+        acc[...] += parts_ref[...]
+
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _store():
+        out_ref[...] = (acc[...] * scale if final else acc[...]).astype(out_ref.dtype)
+
+
+def _sum_dq_parts(parts, carry, table, *, first: int, final_dtype, scale: float, num_q_blocks: int, block_q: int,
+                  generation, interpret, operands):
+    """The fused dk/dv kernel's parts of dq ``[B, Hkv, count, padded rows, D]``
+    (key blocks from ``first``) summed over the key blocks each query block
+    sees, added to ``carry`` (the earlier calls' f32 sum, or None): f32 for
+    the next call, or with ``final_dtype`` set scaled into dq. Steps on a
+    part no query row of the block sees keep the resident block (no DMA):
+    only the live parts are read (XLA's reduction read them all, then wrote
+    an f32 sum that a second pass scaled and cast)."""
+    batch, hkv, count, padded, d = parts.shape
+
+    def part_at(b, h, qb, j, table_ref):
+        entry = functools.partial(kr.table_entry, table_ref, b, qb, num_q_blocks=num_q_blocks)
+        lo = jnp.clip(entry(kr.FIRST) - first, 0, count - 1)
+        return b, h, jnp.clip(j, lo, jnp.clip(entry(kr.LAST) - first, lo, count - 1)), qb, 0
+
+    rows_at = lambda b, h, qb, j, *_: (b, h, qb, 0)  # noqa: E731
+    block = pl.BlockSpec((None, None, block_q, d), rows_at)
+    final = final_dtype is not None
+    return pl.pallas_call(
+        functools.partial(_dq_sum_kernel, first_kv_block=first, num_q_blocks=num_q_blocks, scale=scale,
+                          carry=carry is not None, final=final),
+        out_shape=out_struct((batch, hkv, padded, d), final_dtype if final else jnp.float32, *operands),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(batch, hkv, num_q_blocks, count),
+            in_specs=[pl.BlockSpec((None, None, None, block_q, d), part_at), *([block] if carry is not None else [])],
+            out_specs=block,
+            scratch_shapes=[pltpu.VMEM((block_q, d), jnp.float32)],
+        ),
+        input_output_aliases={2: 0} if carry is not None and not final else {},
+        compiler_params=compiler_params(generation, ("parallel",) * 3 + ("arbitrary",)),
+        interpret=interpret,
+        name="flash_attention_bwd_sum_dq_parts",
+    )(table, parts, *([carry] if carry is not None else []))
+
+
 def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *, causal: bool = True,
                              window: int = 0, softcap: float = 0.0, scale: float | None = None, block_sizes=None,
                              compute_blocks=None, generation: str | None = None, interpret=False):
@@ -393,13 +448,13 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
             generation=generation, interpret=interpret, k=k, v=v, common=common)
         dk_parts.append(dk_c)
         dv_parts.append(dv_c)
-        if fused_dq:
-            total = kr.sum_live_parts(dq_part[0], table, num_q_blocks=num_q_blocks, block_q=block_q,
-                                      first_kv_block=first)
-            dq = total if dq is None else dq + total
+        if fused_dq:  # this call's parts of dq summed (the last call's sum scaled into dq's dtype)
+            dq = _sum_dq_parts(dq_part[0], dq, table, first=first, scale=float(scale), num_q_blocks=num_q_blocks,
+                               block_q=block_q, generation=generation, interpret=interpret, operands=operands,
+                               final_dtype=kernel_dtype(q.dtype) if first + count == num_kv_blocks else None)
     dk, dv_ = (parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=2) for parts in (dk_parts, dv_parts))
     if fused_dq:
-        dq = dq[:, :, :rows] * scale
+        dq = dq[:, :, :rows]
         return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv_.astype(v.dtype), d_sinks
 
     # dq: each query block walks the key blocks it sees, as the forward does: the live pairs only

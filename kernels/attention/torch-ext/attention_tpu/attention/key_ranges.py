@@ -198,20 +198,6 @@ def decode_chunk_spans(key_bounds, *, skv: int, chunk: int):
     return jnp.stack([first, last], axis=-1).astype(jnp.int32).reshape(-1)
 
 
-def sum_live_parts(parts, table, *, num_q_blocks: int, block_q: int, first_kv_block: int = 0):
-    """``[B, H, rows, D]``: the sum over key blocks of ``parts [B, H, key blocks,
-    rows, D]`` (padded rows; key blocks from ``first_kv_block`` on), each key
-    block's part counted only on the query blocks that see it (the visit
-    table): a kernel leaves the other blocks unwritten."""
-    batch, heads, num_kv_blocks, padded, d = parts.shape
-    entries = table.reshape(batch, num_q_blocks, TABLE_COLUMNS)
-    kv = first_kv_block + jnp.arange(num_kv_blocks, dtype=jnp.int32)[None, :, None]
-    live = (kv >= entries[:, None, :, FIRST]) & (kv <= entries[:, None, :, LAST])  # [B, key blocks, q blocks]
-    parts = parts.reshape(batch, heads, num_kv_blocks, num_q_blocks, block_q, d)
-    total = jnp.where(live[:, None, :, :, None, None], parts, 0.0).sum(axis=2)
-    return total.reshape(batch, heads, padded, d)
-
-
 def query_block_ranges(table, *, num_q_blocks: int, num_kv_blocks: int):
     """int32 ``[B * num_kv_blocks * 2]``: per (batch, KV block) the first and
     last query block that sees it (``last < first``: none), from the visit
