@@ -62,6 +62,8 @@ FORWARD_CASES = [
 @pytest.mark.parametrize("generation", GENERATIONS)
 @pytest.mark.parametrize("case", FORWARD_CASES, ids=lambda c: f"{c[1]}-{c[0]}-{c[2]}tok")
 def test_forward_compiles(generation, case, record_property):
+    if case[:3] == ("down", "mixtral", 4096) and generation == "v5e":
+        pytest.skip("v5e takes v6e's tiles for Mixtral's down projection (a 2-minute compile): v6e's stands for both")
     _, _, _, m, k, n, g = case
     t = compile_gmm(generation, m, k, n, g, rhs_layout="nk")
     working_set = tiling.forward_working_set_bytes(t, k, 2, 2, 2, generation)
@@ -139,6 +141,15 @@ def _experts_inputs(tokens, model, dtype=jnp.bfloat16):
 EXPERTS_PROGRAM_CASES = [("qwen3", "rule"), ("qwen3", "two-matmuls"), ("gpt-oss", "rule")]
 
 
+# The longest program compiles (0.5-1 minute) that another chip's compile or this
+# chip's kernel compiles above stand for: gpt-oss on v5e (its matmuls compile in
+# test_forward_compiles / test_gated_up_projection_compiles, the program on the
+# four other chips), the forced two-matmul path of 4096 tokens on v5e / v5p (64
+# tokens there, 4096 on v4 / v6e / tpu7x).
+EXPERTS_PROGRAM_SKIPPED = {("gpt-oss", "rule", 64, "v5e"), ("gpt-oss", "rule", 4096, "v5e"),
+                           ("qwen3", "two-matmuls", 4096, "v5e"), ("qwen3", "two-matmuls", 4096, "v5p")}
+
+
 @pytest.mark.parametrize("generation", GENERATIONS)
 @pytest.mark.parametrize("tokens", [1, 64, 4096])
 @pytest.mark.parametrize("case", EXPERTS_PROGRAM_CASES, ids="-".join)
@@ -146,6 +157,9 @@ def test_experts_program_compiles(generation, tokens, case, record_property):
     """The whole TPU experts layer on every generation, each with its own tiles
     and VMEM limit (v4's 16 MiB caught a v6e tiling here)."""
     from moe_experts_tpu.experts import program
+
+    if (*case, tokens, generation) in EXPERTS_PROGRAM_SKIPPED:
+        pytest.skip("stood for by another compile (EXPERTS_PROGRAM_SKIPPED)")
 
     model_name, path = case
     model = QWEN if model_name == "qwen3" else GPT_OSS
