@@ -191,15 +191,17 @@ def test_forward_masked_blocks_computed_in_sub_tiles(ranges, row_sums, monkeypat
         _check(got, want, torch.float32, f"sub-tiles {ranges} causal={causal} window={window}")
 
 
-@pytest.mark.parametrize("block_k, window, row_sums", [(128, 0, "mxu"), (256, 0, "reduced"), (128, 24, "reduced")])
+@pytest.mark.parametrize("block_k, window, row_sums", [(128, 0, "mxu"), (256, 0, "reduced"), (128, 24, "reduced"),
+                                                       (256, 24, "mxu")])
 def test_forward_static_sub_tiles_in_one_region(block_k, window, row_sums, monkeypatch):
     """A tile whose sub-tiles' kinds are static (the first query on a key at a
     whole query block's offset: a causal diagonal, a short window's tiles)
     computes them in one region, skipping those no row sees and masking only
     those the diagonal or the window's edge crosses; 128-row blocks of 32 x 32
     sub-tiles here (other masked tiles: 64 x 64), square or twice as wide
-    (2048-blocks of 256 (512) on a TPU), and whole 128-blocks of a 24-key
-    window (512 of 256 for gpt-oss's 128). Batch rows: a prefill (aligned),
+    (2048-blocks of 256 (512) on a TPU), whole 128-blocks of a 24-key window
+    (512 of 256 for gpt-oss's 128) and 128 x 256 ones split in pieces (the
+    rule's 2048 blocks of a window). Batch rows: a prefill (aligned),
     one whose keys start inside a diagonal tile (that tile takes the sub-tile
     path, the next diagonal is aligned), one offset by 60 keys (never
     aligned), one left-padded and offset by two blocks (aligned) but with one
@@ -208,7 +210,8 @@ def test_forward_static_sub_tiles_in_one_region(block_k, window, row_sums, monke
     monkeypatch.setattr(blocks, "ROW_SUMS_ON_MXU", frozenset({"v6e"} if row_sums == "mxu" else ()))
     monkeypatch.setattr(blocks, "ROW_SUMS_V_DIM", 16)
     monkeypatch.setattr(blocks, "FORWARD_COMPUTE_ROWS", 64)  # the other masked tiles' sub-tiles
-    monkeypatch.setattr(blocks, "FORWARD_COMPUTE_KEYS", 128 if window else 64)  # window tiles stay whole
+    whole_window_tiles = window and block_k == 128  # tiles not split in pieces: the window's own sub-tile rule
+    monkeypatch.setattr(blocks, "FORWARD_COMPUTE_KEYS", 128 if whole_window_tiles else 64)
     monkeypatch.setattr(blocks, "COMPUTE_BLOCK_K", 32)  # interior folds
     monkeypatch.setattr(blocks, "DIAGONAL_SUB_TILE", 32)
     monkeypatch.setattr(blocks, "WINDOW_SUB_TILE", 32)
@@ -216,7 +219,9 @@ def test_forward_static_sub_tiles_in_one_region(block_k, window, row_sums, monke
     assert blocks.static_sub_tile(128, block_k, window, 16) == 32 and blocks.static_sub_tile(80, 128, window, 16) == 0
     assert blocks.static_sub_tile(128, 256, 0, 64) == 64  # at least as wide as V
     sq, skv = 384, 640
-    if window:
+    if window and not whole_window_tiles:  # the window's tiles and the one before them, the diagonal's sub-tiles
+        assert kr.static_offsets(128, 256, 32, sq=sq, causal=True, window=window) == (0, 4, 8)
+    elif window:
         assert blocks.forward_compute_blocks(128, block_k) == (128, 128)
         assert blocks.static_sub_tile(128, 128, 40, 16) == 0  # a window longer than a sub-tile: tiles stay whole
         assert kr.static_offsets(128, 128, 32, sq=sq, causal=True, window=window) == (0, 4)
@@ -642,7 +647,7 @@ def test_block_rule_and_overrides():
     assert blocks.choose_blocks(8, 3000) == (8, 3000)  # all keys in one block
     assert blocks.choose_blocks(32768, 100) == (blocks.PREFILL_BLOCK, 100)
     assert blocks.choose_blocks(32768, 32768) == (blocks.PREFILL_BLOCK,) * 2
-    assert blocks.choose_blocks(32768, 32768, window=128) == (blocks.WINDOW_BLOCK,) * 2
+    assert blocks.choose_blocks(32768, 32768, window=128) == (blocks.PREFILL_BLOCK,) * 2  # windows: static sub-tiles
     assert blocks.choose_blocks(200, 32768) == (200, blocks.PREFILL_BLOCK)
     # VMEM decides: head_dim 512 decode blocks shrink on v4 (12 MiB budget), not on v6e.
     assert blocks.choose_blocks(4, 32768, head_dim=512, generation="v4")[1] < blocks.DECODE_BLOCK_K

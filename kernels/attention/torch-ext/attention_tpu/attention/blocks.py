@@ -7,9 +7,9 @@ Rows are the query rows of one KV head's group, flattened (``G * Sq``: see
 * decode, rows <= ``DECODE_MAX_ROWS`` (one token of G heads is a G-row block,
   never a padded 128-row one): ``block_q`` = all rows, ``block_k`` =
   ``DECODE_BLOCK_K``;
-* causal sliding window: ``WINDOW_BLOCK`` x ``WINDOW_BLOCK`` (the grid walks
-  only the window's blocks, so short blocks waste the least);
-* prefill otherwise: ``PREFILL_BLOCK`` x ``PREFILL_BLOCK``;
+* prefill, with or without a sliding window: ``PREFILL_BLOCK`` x
+  ``PREFILL_BLOCK`` (a window's tiles skip what the window hides in static
+  sub-tiles: "Windows" below);
 * ``block_q`` is at most the rows and ``block_k`` all keys when they fit in
   one block; a prefill's ``block_q`` is halved down to
   ``PREFILL_MIN_BLOCK_Q``, then ``block_k`` (not below ``MIN_BLOCK_K``), then a
@@ -139,6 +139,22 @@ loses where the rectangle has few empty steps: a window's grid already spans
 only its blocks (v6e gpt-oss sliding-128 2112 -> 2185, Gemma-4 sliding-512
 327 -> 336), so windows keep the rectangular grid, as do KV splits and more
 than ``COMPACT_WALK_MAX_PAIRS`` pairs (SMEM).
+
+Windows at prefill blocks. A causal window's grid spans only the window's KV
+blocks, so its tiles were kept short (512 x 512: the rows' window and the
+block's diagonal and little else). With static sub-tiles a window's tile
+computes only the 256 x 256 sub-tiles the window reaches, whatever the
+block's size: 2048 x 2048 tiles then cost the same MXU and softmax work as
+512 x 512 ones with a sixteenth of the grid steps (each a fixed ~600-1300
+cycles of pipeline and init / store) and the K / V read once per 2048 rows,
+not per 512. Forward, estimated us, 512 -> 2048 blocks (ours / splash at its
+best blocks after): gpt-oss sliding-128 8k (D 64) v6e 2112 -> 1406 (0.64),
+tpu7x 1829 -> 1123 (0.63), v5e 2900 -> 2111 (0.68); Gemma-4 sliding-512 8k
+(D 256) v6e 326 -> 271 (0.86), tpu7x 290 -> 201 (0.64), v5e 615 -> 511
+(0.73); 1024 blocks in between (v6e gpt-oss 1616, Gemma-4 273), which
+float32 and float16 take (``WINDOW_WIDE_TILE_BLOCK``: at 2048 a window's static
+region of f32 temporaries passed the scoped VMEM). The backward keeps
+``WINDOW_BLOCK`` (below).
 
 Row sums on the MXU (``ROW_SUMS_ON_MXU``: v6e): a tile's softmax denominators
 come from the P V product with a block of 128 ones appended to V (each row's
@@ -293,7 +309,8 @@ from ..common import tpu_generations
 
 PREFILL_BLOCK = 2048
 PREFILL_MIN_BLOCK_Q = 1024
-WINDOW_BLOCK = 512
+WINDOW_BLOCK = 512  # the backward's blocks under a causal window
+WINDOW_WIDE_TILE_BLOCK = 1024  # the forward's under a window, f32 / float16 tiles
 DECODE_MAX_ROWS = 128
 DECODE_BLOCK_K = 4096
 # Keys per copy of the decode kernel, by generation; a generation missing here
@@ -317,12 +334,16 @@ FUSED_DQ_MIN_BLOCK_K = 1024
 
 def choose_blocks(rows: int, kv_len: int, *, head_dim: int = 128, v_dim: int | None = None, itemsize: int = 2,
                   window: int = 0, generation: str | None = None) -> tuple[int, int]:
-    """Forward ``(block_q, block_k)`` for ``rows`` flattened query rows, ``kv_len``
-    keys and a causal sliding ``window`` (0: none)."""
+    """Forward ``(block_q, block_k)`` for ``rows`` flattened query rows and
+    ``kv_len`` keys. ``window``: a causal sliding window (0: none), taken as
+    ``choose_backward_blocks`` takes it; the forward's blocks do not depend on
+    it (module docstring, "Windows at prefill blocks")."""
     if rows <= DECODE_MAX_ROWS:
         block_q, block_k = rows, DECODE_BLOCK_K
     else:
-        block_q = block_k = WINDOW_BLOCK if window else PREFILL_BLOCK
+        # 4-byte tiles under a window: a static region's f32 temporaries pass the scoped VMEM at 2048
+        # (gpt-oss float16 on v6e: 34.9 MiB of 32), which the working set below does not count.
+        block_q = block_k = WINDOW_WIDE_TILE_BLOCK if window and itemsize > 2 else PREFILL_BLOCK
         block_q = min(block_q, rows)
     budget = tpu_generations.get_generation(generation).vmem_budget
     v_dim = head_dim if v_dim is None else v_dim

@@ -3,13 +3,17 @@ gradient) from the forward's log-sum-exp.
 
 With the forward's key ranges and skipped tiles (``key_ranges``), one kernel
 walks key blocks (dk, dv accumulated over the query blocks that see each one:
-every query block, or under a causal window only the window's, per head,
-``key_ranges.query_walk``). dq comes either from the same kernel, each tile's
-``ds^T`` times K written as that key block's f32 part of dq and the parts
-summed afterwards over the key blocks each query block sees, or from a second
-kernel that walks query blocks (dq over the key blocks each sees, recomputing
-the probabilities); ``blocks.fuses_dq`` chooses (long key blocks and a bounded
-parts buffer: fused). Probabilities are recomputed from q, k and the lse in the
+under a causal mask without a window only those, on one grid axis of the live
+(KV block, query block) pairs, ``key_ranges.compact_key_walk``; under a causal
+window the window's query blocks per head, ``key_ranges.query_walk``; else
+every query block). dq comes either from the same kernel, each tile's ``ds^T``
+times K written as that key block's f32 part of dq and the parts summed
+afterwards over the key blocks each query block sees (``_sum_dq_parts``, a
+kernel that reads only those parts), or from a second kernel that walks query
+blocks (dq over the key blocks each sees, recomputing the probabilities; the
+live pairs only, as the forward does, under a causal mask without a window);
+``blocks.fuses_dq`` chooses (long key blocks and a bounded parts buffer:
+fused). Probabilities are recomputed from q, k and the lse in the
 forward's base (base 2 without soft-capping); the sinks' gradient is a
 reduction outside the kernels. Layout, features and dtypes: ``flash_forward``.
 

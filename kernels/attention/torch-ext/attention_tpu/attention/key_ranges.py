@@ -20,12 +20,14 @@ group share the ranges (``row_bounds``).
 
 Skipped work. For each (batch, query block) a visit table (XLA, once per
 call, from the ranges; scalar-prefetched into SMEM) holds the KV blocks any
-of its rows can see and those every row sees whole. The forward's grid walks
-only the (query block, KV block) pairs of the first (``compact_walk``); where
-a grid does take steps outside it (the rectangular grid past
-``COMPACT_WALK_MAX_PAIRS`` or with KV splits, the backward's walks) they do no
-MXU work (``pl.when``) and their K/V index maps are clamped into it, so the
-block already in VMEM is reused and no DMA starts. Whole blocks
+of its rows can see and those every row sees whole. The forward's and the
+backward dq kernel's grids of a causal prefill walk only the (query block,
+KV block) pairs of the first (``compact_walk``), the backward dk/dv kernel's
+the same pairs KV block by KV block (``compact_key_walk``); where a grid
+does take steps outside them (windows, the rectangular grid past
+``COMPACT_WALK_MAX_PAIRS`` or with KV splits) they do no MXU work
+(``pl.when``) and their index maps are clamped into them, so the block
+already in VMEM is reused and no DMA starts. Whole blocks
 skip the mask; masked blocks whose rows all follow the rule rebuild their
 ranges from iotas (``rule_row_bounds``) instead of reading them. The decode
 kernel needs only the first and last chunk per batch row
