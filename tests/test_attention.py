@@ -810,7 +810,10 @@ def test_backward_fuses_dq_by_the_rule():
     assert not fused(4 * 8192, 8192, 128, generation="v4")
 
 
-@pytest.mark.parametrize("window", [0, 20, 40])
+# dq in several dk/dv calls (the carried sum) without a window; windows with dq fused in one call or separate.
+@pytest.mark.parametrize("window, dq_kernel", [(0, "fused"), (0, "fused_calls"), (0, "separate"), (20, "fused"),
+                                               (20, "separate"), (40, "fused"), (40, "separate")],
+                         indirect=["dq_kernel"])
 def test_gradients_over_many_blocks_and_window_walks(window, dq_kernel):
     """Many query and key blocks, causal, with left padding; without a window
     the dk/dv and dq grids walk only the live pairs (compacted), with one
@@ -981,12 +984,19 @@ def test_decode_kernel_refuses_chunks_it_cannot_copy():
                                                generation="v6e")
 
 
-@pytest.mark.parametrize("case", [
+SUB_TILE_CASES = [
     ("rule", True, 0, 0.0, False),
     ("rule", True, 40, 5.0, True),  # window walk, softcap, sinks
     ("rule", False, 0, 0.0, True),
     ("ranges", True, 0, 0.0, False),  # arbitrary per-query ranges: sub-tiles read them
-])
+]
+
+
+# Every case with dq fused in one call and separate; in several calls (the carried sum) the causal ones.
+@pytest.mark.parametrize("case, dq_kernel", [
+    pytest.param(case, dq, id=f"{case[0]}-{'causal' if case[1] else 'full'}-window{case[2]}-{dq}")
+    for case in SUB_TILE_CASES for dq in ("fused", "fused_calls", "separate")
+    if dq != "fused_calls" or (case[1] and not case[2])], indirect=["dq_kernel"])
 def test_backward_sub_tiles_match_float64_autograd(case, dq_kernel):
     """Backward blocks computed as sub-tiles (``compute_blocks``, what the rule
     takes at 2048-wide blocks) at lengths that are no multiple of a sub-tile:

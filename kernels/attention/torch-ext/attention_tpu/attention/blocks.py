@@ -224,7 +224,7 @@ dq in the dk/dv kernel (``fuses_dq``): the dk/dv kernel holds each tile's
 ``ds``; one more product, ``ds^T K`` (``ds`` transposed on the cross-lane unit),
 gives the tile's part of dq, written per (key block, query block) into an f32
 ``[B, Hkv, key blocks, rows, D]`` buffer and summed in XLA over the key blocks
-each query block sees (``key_ranges.sum_live_parts``). That replaces the dq
+each query block sees (``flash_backward._sum_dq_parts``). That replaces the dq
 kernel, which recomputed every tile's ``p`` and ``dO V^T``, by a fifth
 product per tile and the parts' HBM round trip, 4 D bytes per row per key
 block: cheap against the tile's work when key blocks are long
@@ -250,6 +250,23 @@ The last two rows, with 512-key blocks, were fused by hand to set the
 threshold: a window's parts are mostly never visited yet still summed, and a
 short key block makes the parts large against the tile's work; the rule keeps
 them on two kernels.
+
+Backward walks of the live pairs. Under a causal mask without a window the
+dk/dv kernel walked every query block for every KV block (its query blocks
+span the G heads of a group, so the ones that see a KV block are not one
+run: Llama-3-8B 8k, 24 of each (batch, KV head)'s 64 steps empty, 18 of them
+still fetching their query block), and the dq kernel the forward's
+rectangle. Both now walk only the live pairs on one grid axis
+(``key_ranges.compact_key_walk``, KV block by KV block; ``compact_walk`` for
+dq), as the forward does. The fused kernel's parts of dq were summed by an
+XLA reduction that read every part (live or not) and wrote an f32 sum a
+second pass scaled and cast (v6e Llama-3-8B 8k: 532 us of XLA ops); a small
+kernel (``_sum_dq_parts``) reads only the live parts (skipped steps keep the
+resident block) and writes dq in q's dtype (306 us). Forward + backward,
+estimated us, before -> walks -> sum kernel: Llama-3-8B 8k v6e 6378 -> 6162
+-> 5936; tpu7x 5063 -> 4861, v5e 13701 -> 12810, Qwen3 8k v6e 6375 -> 5917,
+tpu7x 5054 -> 4853, v5e 13754 -> 12813, Gemma-4 global D512 4k v6e 1008 ->
+948, tpu7x 941 -> 882, v5e 3528 -> 3433 (the last two columns together).
 
 ``choose_kv_splits``: on a megacore chip (v4, v5p) a decode call whose only
 parallel work is a single (batch, head) pair would leave one TensorCore idle;
