@@ -352,9 +352,9 @@ FUSED_DQ_MIN_BLOCK_K = 1024
 def choose_blocks(rows: int, kv_len: int, *, head_dim: int = 128, v_dim: int | None = None, itemsize: int = 2,
                   window: int = 0, generation: str | None = None) -> tuple[int, int]:
     """Forward ``(block_q, block_k)`` for ``rows`` flattened query rows and
-    ``kv_len`` keys. ``window``: a causal sliding window (0: none), taken as
-    ``choose_backward_blocks`` takes it; the forward's blocks do not depend on
-    it (module docstring, "Windows at prefill blocks")."""
+    ``kv_len`` keys. ``window``: a causal sliding window (0: none); it takes the
+    prefill blocks too, except 4-byte tiles at ``WINDOW_WIDE_TILE_BLOCK``
+    (module docstring, "Windows at prefill blocks")."""
     if rows <= DECODE_MAX_ROWS:
         block_q, block_k = rows, DECODE_BLOCK_K
     else:
