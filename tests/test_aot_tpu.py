@@ -64,6 +64,9 @@ FORWARD_CASES = [
 def test_forward_compiles(generation, case, record_property):
     if case[:3] == ("down", "mixtral", 4096) and generation == "v5e":
         pytest.skip("v5e takes v6e's tiles for Mixtral's down projection (a 2-minute compile): v6e's stands for both")
+    if case[:3] == ("gate_up", "mixtral", 4096) and generation == "v6e":
+        pytest.skip("v6e's Mixtral gate_up (a minute's compile) compiles with f32 out (test_forward_f32_out_compiles, "
+                    "the same output bytes a tile) and gated (test_gated_up_projection_compiles)")
     _, _, _, m, k, n, g = case
     t = compile_gmm(generation, m, k, n, g, rhs_layout="nk")
     working_set = tiling.forward_working_set_bytes(t, k, 2, 2, 2, generation)

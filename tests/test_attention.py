@@ -810,9 +810,10 @@ def test_backward_fuses_dq_by_the_rule():
     assert not fused(4 * 8192, 8192, 128, generation="v4")
 
 
-# dq in several dk/dv calls (the carried sum) without a window; windows with dq fused in one call or separate.
+# dq in several dk/dv calls (the carried sum) without a window; windows with dq fused in one call, the
+# separate dq kernel's window walk at the wider window.
 @pytest.mark.parametrize("window, dq_kernel", [(0, "fused"), (0, "fused_calls"), (0, "separate"), (20, "fused"),
-                                               (20, "separate"), (40, "fused"), (40, "separate")],
+                                               (40, "fused"), (40, "separate")],
                          indirect=["dq_kernel"])
 def test_gradients_over_many_blocks_and_window_walks(window, dq_kernel):
     """Many query and key blocks, causal, with left padding; without a window
@@ -992,11 +993,13 @@ SUB_TILE_CASES = [
 ]
 
 
-# Every case with dq fused in one call and separate; in several calls (the carried sum) the causal ones.
+# Every case with dq fused in one call; in several calls (the carried sum) the causal ones; the separate dq
+# kernel on the cases without a window (its window walk: test_gradients_over_many_blocks_and_window_walks).
 @pytest.mark.parametrize("case, dq_kernel", [
     pytest.param(case, dq, id=f"{case[0]}-{'causal' if case[1] else 'full'}-window{case[2]}-{dq}")
     for case in SUB_TILE_CASES for dq in ("fused", "fused_calls", "separate")
-    if dq != "fused_calls" or (case[1] and not case[2])], indirect=["dq_kernel"])
+    if (dq != "fused_calls" or (case[1] and not case[2])) and (dq != "separate" or not case[2])],
+    indirect=["dq_kernel"])
 def test_backward_sub_tiles_match_float64_autograd(case, dq_kernel):
     """Backward blocks computed as sub-tiles (``compute_blocks``, what the rule
     takes at 2048-wide blocks) at lengths that are no multiple of a sub-tile:

@@ -100,21 +100,22 @@ def test_backward_compiles(generation, case, dtype, record_property):
     record_property("fused_dq", _backward_compiles(generation, case, dtype))
 
 
-@pytest.mark.parametrize("generation", ["v6e", "tpu7x"])
+@pytest.mark.parametrize("generation", ["v6e"])
 def test_backward_with_separate_dq_kernel_compiles(generation, monkeypatch):
     """The two-kernel backward (dq in its own kernel), which the rule takes
     for short key blocks and past ``FUSED_DQ_MAX_BYTES`` (Llama-3-8B at 32k keys),
     at the blocks that would fuse it (v4's backward compiles it at its own,
-    shorter key blocks in ``test_backward_compiles``; v5e's blocks are v6e's)."""
+    shorter key blocks in ``test_backward_compiles``; v5e's blocks are v6e's;
+    tpu7x's compiler is v6e's Mosaic, at the same blocks: v6e stands for it)."""
     monkeypatch.setattr(blocks, "FUSED_DQ_MAX_BYTES", 0)
     assert not _backward_compiles(generation, "llama3-8b-prefill-8k", "bfloat16")
 
 
-@pytest.mark.parametrize("generation", ["v4", "v6e", "tpu7x"])
+@pytest.mark.parametrize("generation", ["v4", "tpu7x"])
 def test_backward_with_fused_dq_in_calls_compiles(generation, monkeypatch):
     """dq fused, one dk/dv call per key block: what the rule runs when all the
     key blocks' parts exceed ``FUSED_DQ_MAX_BYTES`` (Llama-3-8B at 32k keys:
-    calls of two 2048-key blocks); v5e's blocks are v6e's."""
+    calls of two 2048-key blocks); v5e's and v6e's blocks are tpu7x's."""
     monkeypatch.setattr(blocks, "FUSED_DQ_MIN_BLOCK_K", 0)
     monkeypatch.setattr(blocks, "fused_dq_blocks_per_call", lambda part_bytes, num_kv_blocks: 1)
     assert _backward_compiles(generation, "gemma2-softcap-prefill", "bfloat16")
