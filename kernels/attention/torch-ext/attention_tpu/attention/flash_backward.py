@@ -164,10 +164,11 @@ def _dkv_kernel(sub_table_ref, q_range_ref, start_ref, end_ref, walk_kv_ref, wal
     else:
         head, step = pl.program_id(3), pl.program_id(4)
         kv_block = first_kv_block + pl.program_id(2)  # a call may cover some of the key blocks
-        q_block, in_walk = kr.walk_query_block(q_range_ref, b, kv_block, head, step, num_kv_blocks=num_kv_blocks,
-                                               walk=walk, for_dma=False)
-        dma_block, _ = kr.walk_query_block(q_range_ref, b, kv_block, head, step, num_kv_blocks=num_kv_blocks,
-                                           walk=walk, for_dma=True)
+        where = dict(num_kv_blocks=num_kv_blocks, walk=walk)
+        q_block, in_walk = kr.walk_query_block(q_range_ref, b, kv_block, head, step, for_dma=False, **where)
+        # (Only the fused dq part asks which block is in VMEM.)
+        dma_block = kr.walk_query_block(q_range_ref, b, kv_block, head, step, for_dma=True, **where)[0] if fused_dq \
+            else q_block
         first_step = (head == 0) & (step == 0)
         last_step = (head == pl.num_programs(3) - 1) & (step == pl.num_programs(4) - 1)
 
@@ -224,10 +225,7 @@ def _dq_kernel(table_ref, sub_table_ref, start_ref, end_ref, walk_q_ref, walk_st
                                      num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks, compact=compact)
     entry = functools.partial(kr.table_entry, table_ref, b, q_block, num_q_blocks=num_q_blocks)
     kv_block = entry(kr.FIRST) + step  # walks from the first visible
-    if compact:  # the query block's own last step
-        last_step = step == kr.query_block_steps(entry(kr.FIRST), entry(kr.LAST), num_kv_blocks=num_kv_blocks) - 1
-    else:
-        last_step = step == pl.num_programs(3) - 1
+    last_step = kr.is_last_step(entry, step, pl.num_programs(3), num_kv_blocks=num_kv_blocks, compact=compact)
 
     @pl.when(step == 0)
     def _init():

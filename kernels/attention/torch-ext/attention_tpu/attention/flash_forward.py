@@ -68,10 +68,7 @@ def _flash_kernel(table_ref, sub_table_ref, steps_ref, start_ref, end_ref, walk_
     entry = functools.partial(kr.table_entry, table_ref, b, q_block, num_q_blocks=num_q_blocks)
     kv_block = kr.kv_block_of_step(entry, split, step, pl.num_programs(4))
     live, whole = kr.tile_kinds(table_ref, b, q_block, kv_block, num_q_blocks=num_q_blocks)
-    if compact:  # the query block's own last step
-        last_step = step == kr.query_block_steps(entry(kr.FIRST), entry(kr.LAST), num_kv_blocks=num_kv_blocks) - 1
-    else:
-        last_step = step == pl.num_programs(4) - 1
+    last_step = kr.is_last_step(entry, step, pl.num_programs(4), num_kv_blocks=num_kv_blocks, compact=compact)
 
     @pl.when(step == 0)
     def _init():

@@ -200,13 +200,19 @@ def decode_chunk_spans(key_bounds, *, skv: int, chunk: int):
     return jnp.stack([first, last], axis=-1).astype(jnp.int32).reshape(-1)
 
 
+def _query_blocks_seeing(table, kv_blocks, *, num_q_blocks: int):
+    """bool ``[B, len(kv_blocks), num_q_blocks]``: which query blocks see each
+    of ``kv_blocks`` (the visit table's first..last KV block of each)."""
+    entries = table.reshape(-1, num_q_blocks, TABLE_COLUMNS)[:, None, :, :]
+    kv = kv_blocks[None, :, None]
+    return (entries[..., FIRST] <= kv) & (kv <= entries[..., LAST])
+
+
 def query_block_ranges(table, *, num_q_blocks: int, num_kv_blocks: int):
     """int32 ``[B * num_kv_blocks * 2]``: per (batch, KV block) the first and
     last query block that sees it (``last < first``: none), from the visit
     table; what the backward's dk/dv kernel clamps its query-side reads to."""
-    entries = table.reshape(-1, num_q_blocks, TABLE_COLUMNS)
-    kv_block = jnp.arange(num_kv_blocks, dtype=jnp.int32)[None, :, None]
-    sees = (entries[:, None, :, FIRST] <= kv_block) & (kv_block <= entries[:, None, :, LAST])  # [B, Kb, Qb]
+    sees = _query_blocks_seeing(table, jnp.arange(num_kv_blocks, dtype=jnp.int32), num_q_blocks=num_q_blocks)
     q_block = jnp.arange(num_q_blocks, dtype=jnp.int32)
     first = jnp.min(jnp.where(sees, q_block, num_q_blocks), axis=-1)
     last = jnp.max(jnp.where(sees, q_block, -1), axis=-1)
@@ -267,6 +273,16 @@ def walk_position(b, q_axis, kv_axis, walk_q_ref, walk_step_ref, *, num_q_blocks
     return walk_q_ref[pair], walk_step_ref[pair]
 
 
+def is_last_step(entry, step, grid_steps, *, num_kv_blocks: int, compact: bool):
+    """Whether ``step`` is its query block's last KV step (where the forward
+    and the dq kernel store): in a compacted walk the block's own last pair
+    (``query_block_steps``; ``entry`` reads its visit table entry), else the
+    grid's last of ``grid_steps``."""
+    if compact:
+        return step == query_block_steps(entry(FIRST), entry(LAST), num_kv_blocks=num_kv_blocks) - 1
+    return step == grid_steps - 1
+
+
 def compact_key_walk(table, *, num_q_blocks: int, first_kv_block: int, count: int):
     """``(kv_blocks, q_blocks, length)``: the backward dk/dv grid's walk over only
     the live (KV block, query block) pairs of KV blocks ``[first_kv_block,
@@ -281,9 +297,8 @@ def compact_key_walk(table, *, num_q_blocks: int, first_kv_block: int, count: in
     causal mask with query blocks of several heads (Llama-3-8B 8k at 2048 x
     2048 blocks) 24 of each (batch, KV head)'s 64 steps saw nothing, 18 of
     them still fetching their query block."""
-    entries = table.reshape(-1, num_q_blocks, TABLE_COLUMNS)
-    kv = first_kv_block + jnp.arange(count, dtype=jnp.int32)[None, :, None]
-    sees = (entries[:, None, :, FIRST] <= kv) & (kv <= entries[:, None, :, LAST])  # [B, count, Qb]
+    sees = _query_blocks_seeing(table, first_kv_block + jnp.arange(count, dtype=jnp.int32),
+                                num_q_blocks=num_q_blocks)  # [B, count, Qb]
     last_q = jnp.arange(num_q_blocks) == num_q_blocks - 1
     live = (sees | (~jnp.any(sees, axis=-1, keepdims=True) & last_q)).reshape(sees.shape[0], -1)
     order = jnp.argsort(~live, axis=1, stable=True).astype(jnp.int32)  # live pairs first, in (KV, query) order
