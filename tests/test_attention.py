@@ -2,6 +2,7 @@
 against a float64 loop, masks and block skipping, the torch op, errors."""
 
 import functools
+import itertools
 import os
 import pathlib
 import sys
@@ -790,22 +791,24 @@ def test_backward_runs_the_dq_kernel_only_past_the_byte_cap(fused, monkeypatch):
 def test_backward_fuses_dq_by_the_rule():
     """The rule at the benchmark's shapes (bf16, v6e): Llama-3-8B causal 8k
     (2048-key blocks, 128 MiB a block's part) fuses in one call, 32k (512 MiB a
-    part, 8 GiB in all) in calls of two key blocks; a sliding window's 512-key
-    blocks and v4's (its VMEM) do not; one key block does."""
+    part, 8 GiB in all) in calls of two key blocks, a window of 512 keys (its
+    2048-key blocks) in one; a wider window's 512-key blocks and v4's (its
+    VMEM) do not; one key block does."""
     def fused(rows, skv, d, window=0, generation="v6e", hkv=8):
         """Key blocks per fused call, 0: two kernels."""
         bq, bk = blocks.choose_backward_blocks(rows, skv, head_dim=d, window=window, generation=generation)
         nq, nk = -(-rows // bq), -(-skv // bk)
         part = hkv * nq * bq * d * 4
-        if not blocks.fuses_dq(part, blocks.backward_working_set_bytes(bq, bk, d, d, 2, fused_dq=True), block_k=bk,
-                               num_kv_blocks=nk, generation=generation):
+        working_set = blocks.backward_working_set_bytes(bq, bk, d, d, 2, fused_dq=True, window=window)
+        if not blocks.fuses_dq(part, working_set, block_k=bk, num_kv_blocks=nk, generation=generation):
             return 0
         return blocks.fused_dq_blocks_per_call(part, nk)
 
     assert fused(4 * 8192, 8192, 128) == 4
     assert fused(4 * 8192, 8192, 128, generation="tpu7x") == fused(4 * 8192, 8192, 128, generation="v5e") == 4
     assert fused(4 * 32768, 32768, 128) == 2
-    assert not fused(2 * 8192, 8192, 256, window=512, hkv=4)
+    assert fused(2 * 8192, 8192, 256, window=512, hkv=4) == 4
+    assert not fused(2 * 8192, 8192, 256, window=1024, hkv=4)
     assert fused(4 * 512, 512, 128)  # one key block: no parts to sum
     assert not fused(4 * 8192, 8192, 128, generation="v4")
 
@@ -1036,24 +1039,28 @@ def test_backward_sub_tiles_match_float64_autograd(case, dq_kernel):
         np.testing.assert_allclose(got, want.grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=f"{case} d{name} seed={SEED}")
 
 
-def test_backward_whole_and_causal_diagonal_tiles_in_one_region(dq_kernel):
+# Causal: every way to dq; a window (the rule's 2048 blocks in 512 sub-tiles, scaled down) with dq fused.
+@pytest.mark.parametrize("window, dq_kernel", [(0, "fused"), (0, "fused_calls"), (0, "separate"), (100, "fused")],
+                         indirect=["dq_kernel"])
+def test_backward_whole_and_causal_diagonal_tiles_in_one_region(window, dq_kernel):
     """Backward tiles whose sub-tiles all run in one region: tiles every row
     sees whole, and causal diagonals whose first query sits on their first
-    key (unmasked below the diagonal, masked on it, skipped above); 256 x 256
-    blocks of 128 x 128 sub-tiles here. Batch rows as in the forward's test
-    (aligned prefill, keys starting inside a diagonal tile, an unaligned
-    offset, left padding with one query off the rule in its diagonal tile).
-    Gradients equal float64 autograd."""
+    key (unmasked below the diagonal, masked on it, skipped above), or under
+    a window the sub-tiles it reaches (the diagonal's and the one below it,
+    masked; the rest skipped); 256 x 256 blocks of 128 x 128 sub-tiles here.
+    Batch rows as in the forward's test (aligned prefill, keys starting
+    inside a diagonal tile, an unaligned offset, left padding with one query
+    off the rule in its diagonal tile). Gradients equal float64 autograd."""
     from attention_tpu.attention import flash_backward
     from attention_tpu.common import pallas_helpers
 
     b, hq, hkv, sq, skv, d = 4, 2, 1, 512, 768, 16
     q, k, v, _ = _inputs((b, hq, hkv, sq, skv, d, d), torch.float32, seed=32)
     start, end = np.array([0, 280, 0, 5], np.int32), np.array([512, 768, 572, 768], np.int32)
-    bounds = np.array(kr.rule_key_bounds(start, end, sq=sq, skv=skv, causal=True, window=0))
-    bounds[3, 40, 1] = 280  # off the rule, inside the tile (q block 0, kv block 1)
+    bounds = np.array(kr.rule_key_bounds(start, end, sq=sq, skv=skv, causal=True, window=window))
+    bounds[3, 40, 1] = max(280, bounds[3, 40, 0] + 1)  # off the rule, inside the tile (q block 0, kv block 1)
     jq, jk, jv = (jnp.asarray(t.numpy()) for t in (q, k, v))
-    opts = dict(causal=True, window=0, interpret=pallas_helpers.interpret_params())
+    opts = dict(causal=True, window=window, interpret=pallas_helpers.interpret_params())
     out, lse = flash_forward.flash_attention_with_lse(jq, jk, jv, jnp.asarray(bounds), block_sizes=(256, 256),
                                                       **opts)
     grads = flash_backward.flash_attention_backward(jq, jk, jv, out, lse, 2 * out, jnp.asarray(bounds),
@@ -1098,8 +1105,8 @@ def test_backward_compute_blocks_rule_and_checks():
     size = blocks.BACKWARD_COMPUTE_BLOCK
     # 2048 blocks in 1024 sub-tiles where they fit the large budget (bf16 and
     # float32 head_dim 128, bf16 up to 512 on v6e; not v4's 12 MiB); a window
-    # and lengths 1024 does not divide (1500: sub-tiles of all rows) keep the
-    # smaller blocks.
+    # of at most 512 keys takes them in 512 sub-tiles, a wider one and lengths
+    # 1024 does not divide (1500: sub-tiles of all rows) keep the smaller blocks.
     assert blocks.choose_backward_blocks(32768, 8192, generation="v6e") == (blocks.BACKWARD_BLOCK,) * 2
     assert blocks.choose_backward_blocks(32768, 8192, itemsize=4, generation="v6e") == (blocks.BACKWARD_BLOCK,) * 2
     assert blocks.choose_backward_blocks(16384, 4096, head_dim=512, generation="v6e") == (blocks.BACKWARD_BLOCK,) * 2
@@ -1108,15 +1115,25 @@ def test_backward_compute_blocks_rule_and_checks():
     assert blocks.choose_backward_blocks(16384, 4096, head_dim=512, generation="tpu7x") == (size, size)
     assert blocks.choose_backward_blocks(16384, 4096, head_dim=256, generation="tpu7x") == (size, size)
     assert blocks.choose_backward_blocks(16384, 4096, head_dim=256, generation="v6e") == (blocks.BACKWARD_BLOCK,) * 2
-    assert blocks.choose_backward_blocks(32768, 8192, window=128, generation="v6e") == (blocks.WINDOW_BLOCK,) * 2
+    window_sub = blocks.BACKWARD_WINDOW_SUB_TILE
+    for window in (128, window_sub):
+        assert blocks.choose_backward_blocks(32768, 8192, window=window, generation="v6e") == (blocks.BACKWARD_BLOCK,) * 2
+        assert blocks.backward_compute_blocks(2048, 2048, window) == (window_sub, window_sub)
+    assert blocks.choose_backward_blocks(32768, 8192, window=window_sub + 1, generation="v6e") == (blocks.WINDOW_BLOCK,) * 2
+    assert blocks.backward_compute_blocks(2048, 2048, window_sub + 1) == (size, size)
+    # (Gemma-4 sliding, head_dim 256, float32: halved until its working set fits.)
+    bq, bk = blocks.choose_backward_blocks(16384, 8192, head_dim=256, itemsize=4, window=512, generation="tpu7x")
+    assert blocks.backward_working_set_bytes(bq, bk, 256, 256, 4, window=512) <= \
+        tpu_generations.get_generation("tpu7x").large_vmem_budget
     assert blocks.choose_backward_blocks(1500, 1500, generation="v6e") == (size, size)
     assert blocks.choose_backward_blocks(32768, 8192, generation="v4")[0] <= size
     for gen in ("v4", "v5e", "v5p", "v6e", "tpu7x"):
         chip = tpu_generations.get_generation(gen)
-        for itemsize, d in ((2, 128), (4, 128), (2, 256), (2, 512), (4, 512)):
-            bq, bk = blocks.choose_backward_blocks(32768, 8192, head_dim=d, itemsize=itemsize, generation=gen)
-            working_set = blocks.backward_working_set_bytes(bq, bk, d, d, itemsize)
-            assert working_set <= chip.large_vmem_budget, (gen, itemsize, d)
+        for (itemsize, d), window in itertools.product(((2, 128), (4, 128), (2, 256), (2, 512), (4, 512)), (0, 128)):
+            bq, bk = blocks.choose_backward_blocks(32768, 8192, head_dim=d, itemsize=itemsize, window=window,
+                                                   generation=gen)
+            working_set = blocks.backward_working_set_bytes(bq, bk, d, d, itemsize, window=window)
+            assert working_set <= chip.large_vmem_budget, (gen, itemsize, d, window)
             # past the default budget the kernels ask for the large limit
             assert blocks.backward_needs_large_vmem(working_set, gen) == (working_set > chip.vmem_budget)
     assert blocks.backward_compute_blocks(2 * size, 2 * size) == (size, size)

@@ -153,8 +153,8 @@ tpu7x 1829 -> 1123 (0.63), v5e 2900 -> 2111 (0.68); Gemma-4 sliding-512 8k
 (D 256) v6e 326 -> 271 (0.86), tpu7x 290 -> 201 (0.64), v5e 615 -> 511
 (0.73); 1024 blocks in between (v6e gpt-oss 1616, Gemma-4 273), which
 float32 and float16 take (``WINDOW_WIDE_TILE_BLOCK``: at 2048 a window's static
-region of f32 temporaries passed the scoped VMEM). The backward keeps
-``WINDOW_BLOCK`` (below).
+region of f32 temporaries passed the scoped VMEM). The backward's windows:
+"Backward windows at large blocks" (below).
 
 Row sums on the MXU (``ROW_SUMS_ON_MXU``: v6e): a tile's softmax denominators
 come from the P V product with a block of 128 ones appended to V (each row's
@@ -249,7 +249,8 @@ Gemma-4 sliding-512 8k (512)    --               1015 -> 1443     799 -> 953
 The last two rows, with 512-key blocks, were fused by hand to set the
 threshold: a window's parts are mostly never visited yet still summed, and a
 short key block makes the parts large against the tile's work; the rule keeps
-them on two kernels.
+them on two kernels. (Windows of at most 512 keys now take 2048-key blocks,
+which fuse: "Backward windows at large blocks".)
 
 Backward walks of the live pairs. Under a causal mask without a window the
 dk/dv kernel walked every query block for every KV block (its query blocks
@@ -267,6 +268,38 @@ estimated us, before -> walks -> sum kernel: Llama-3-8B 8k v6e 6378 -> 6162
 -> 5936; tpu7x 5063 -> 4861, v5e 13701 -> 12810, Qwen3 8k v6e 6375 -> 5917,
 tpu7x 5054 -> 4853, v5e 13754 -> 12813, Gemma-4 global D512 4k v6e 1008 ->
 948, tpu7x 941 -> 882, v5e 3528 -> 3433 (the last two columns together).
+
+Backward windows at large blocks. Under a causal window the backward kept
+512 x 512 blocks computed whole (``WINDOW_BLOCK``): a window's band is
+narrow, and 2048 tiles computed whole or in 1024 sub-tiles cover it many
+times over. A window of at most ``BACKWARD_WINDOW_SUB_TILE`` = 512 keys now
+takes ``BACKWARD_BLOCK`` blocks in 512 x 512 sub-tiles, whose kinds are
+static in a prefill's tiles: a diagonal tile computes its 4 diagonal and 3
+sub-diagonal sub-tiles, the next query block's tile its corner one. A
+quarter of the grid steps remain, K / V and q / dO are read once per 2048
+rows, and the 2048-key blocks fuse dq (``fuses_dq``). The parts' sum walks,
+per query block, only as many key blocks as any query block sees in the
+call, from its first (``key_ranges.call_kv_steps``: 2 of 4 at 8k; a step
+costs ~600-1000 cycles even when it reads nothing). Forward + backward, bf16,
+estimated us, v6e:
+
+================================  =========  ==========================  =====
+case                              blocks     sub-tiles                   us
+================================  =========  ==========================  =====
+gpt-oss sliding-128 8k (D 64)     512        whole, dq kernel            5797
+                                  2048       256 (sum over every block)  4651
+                                  2048       512                         4151
+                                  2048       1024                        5373
+Gemma-4 sliding-512 8k (D 256)    512        whole, dq kernel            957
+                                  2048       256                         847
+                                  2048       512                         745
+================================  =========  ==========================  =====
+
+256 sub-tiles compute less of the band but each costs its set-up, and a step
+off the diagonal still checks all 64 of them (gpt-oss's off-diagonal dk/dv
+steps: 6566 cycles at 256, 4137 at 512). tpu7x and v5e: gpt-oss 4809 ->
+3273, 8881 -> 6977; Gemma-4 sliding 711 -> 513, 2080 -> 1765. Wider windows keep
+``WINDOW_BLOCK`` (not measured at large blocks).
 
 ``choose_kv_splits``: on a megacore chip (v4, v5p) a decode call whose only
 parallel work is a single (batch, head) pair would leave one TensorCore idle;
@@ -326,7 +359,7 @@ from ..common import tpu_generations
 
 PREFILL_BLOCK = 2048
 PREFILL_MIN_BLOCK_Q = 1024
-WINDOW_BLOCK = 512  # the backward's blocks under a causal window
+WINDOW_BLOCK = 512  # the backward's blocks under a causal window wider than BACKWARD_WINDOW_SUB_TILE
 WINDOW_WIDE_TILE_BLOCK = 1024  # the forward's under a window, f32 / float16 tiles
 DECODE_MAX_ROWS = 128
 DECODE_BLOCK_K = 4096
@@ -345,6 +378,7 @@ ROW_SUMS_ON_MXU = frozenset({"v6e"})
 ROW_SUMS_V_DIM = 128
 BACKWARD_BLOCK = 2048
 BACKWARD_COMPUTE_BLOCK = 1024
+BACKWARD_WINDOW_SUB_TILE = 512  # the backward's sub-tiles under a window of at most as many keys
 FUSED_DQ_MAX_BYTES = 1 << 30
 FUSED_DQ_MIN_BLOCK_K = 1024
 
@@ -471,21 +505,24 @@ def choose_backward_blocks(rows: int, kv_len: int, *, head_dim: int = 128, v_dim
     ``backward_compute_blocks`` sub-tiles) where ``backward_working_set_bytes``
     fits the large budget and the sub-tiles are at most ``BACKWARD_COMPUTE_BLOCK``,
     else ``BACKWARD_COMPUTE_BLOCK`` square ones (``WINDOW_BLOCK`` under a causal
-    window), at most the rows / keys; ``block_k`` then ``block_q`` halved (not
+    window wider than ``BACKWARD_WINDOW_SUB_TILE``; a narrower one takes the
+    large blocks in sub-tiles of that size), at most the rows / keys; ``block_k`` then ``block_q`` halved (not
     below 512 / 128) until the working set fits; ``BACKWARD_COMPUTE_BLOCK``
     ones again where only they fit with dq fused (module docstring)."""
     budget = tpu_generations.get_generation(generation).large_vmem_budget
     v_dim = head_dim if v_dim is None else v_dim
 
     def fits():
-        return backward_working_set_bytes(block_q, block_k, head_dim, v_dim, itemsize) <= budget
+        return backward_working_set_bytes(block_q, block_k, head_dim, v_dim, itemsize, window=window) <= budget
 
     def fits_fused(bq, bk):
-        return backward_working_set_bytes(bq, bk, head_dim, v_dim, itemsize, fused_dq=True) <= budget
+        return backward_working_set_bytes(bq, bk, head_dim, v_dim, itemsize, fused_dq=True, window=window) <= budget
 
     block_q, block_k = min(rows, BACKWARD_BLOCK), min(kv_len, BACKWARD_BLOCK)
-    # Sub-tiles larger than BACKWARD_COMPUTE_BLOCK (a block it does not divide) keep the smaller blocks.
-    if window or not fits() or max(backward_compute_blocks(block_q, block_k)) > BACKWARD_COMPUTE_BLOCK:
+    # Sub-tiles larger than BACKWARD_COMPUTE_BLOCK (a block it does not divide) keep the smaller blocks; so do
+    # windows wider than BACKWARD_WINDOW_SUB_TILE (not measured at large blocks).
+    wide_window = window > BACKWARD_WINDOW_SUB_TILE
+    if wide_window or not fits() or max(backward_compute_blocks(block_q, block_k, window)) > BACKWARD_COMPUTE_BLOCK:
         size = WINDOW_BLOCK if window else BACKWARD_COMPUTE_BLOCK
         block_q, block_k = min(rows, size), min(kv_len, size)
     while not fits() and block_k > MIN_BLOCK_K:
@@ -528,11 +565,14 @@ def fused_dq_blocks_per_call(part_bytes: int, num_kv_blocks: int) -> int:
     return max(1, min(num_kv_blocks, FUSED_DQ_MAX_BYTES // part_bytes))
 
 
-def backward_compute_blocks(block_q: int, block_k: int) -> tuple[int, int]:
+def backward_compute_blocks(block_q: int, block_k: int, window: int = 0) -> tuple[int, int]:
     """The backward's compute sub-tiles ``(sub_q, sub_k)`` of ``(block_q, block_k)``
-    blocks: ``BACKWARD_COMPUTE_BLOCK`` on a side it divides, else the whole side."""
+    blocks: ``BACKWARD_COMPUTE_BLOCK`` (``BACKWARD_WINDOW_SUB_TILE`` under a
+    window of at most that many keys) on a side it divides, else the whole side."""
+    size = BACKWARD_WINDOW_SUB_TILE if 0 < window <= BACKWARD_WINDOW_SUB_TILE else BACKWARD_COMPUTE_BLOCK
+
     def side(block):
-        return BACKWARD_COMPUTE_BLOCK if block > BACKWARD_COMPUTE_BLOCK and block % BACKWARD_COMPUTE_BLOCK == 0 else block
+        return size if block > size and block % size == 0 else block
     return side(block_q), side(block_k)
 
 
@@ -550,7 +590,7 @@ def check_compute_blocks(compute_blocks, block_q: int, block_k: int) -> tuple[in
 
 
 def backward_working_set_bytes(block_q: int, block_k: int, head_dim: int, v_dim: int, itemsize: int, *,
-                               fused_dq: bool = False) -> int:
+                               fused_dq: bool = False, window: int = 0) -> int:
     """The larger of the two kernels: double-buffered q, dO, k, v blocks and the
     dq kernel's lane-padded lse / delta columns (the dk/dv kernel takes them as
     lane rows), double-buffered dk / dv blocks and their f32 accumulators (as
@@ -558,9 +598,9 @@ def backward_working_set_bytes(block_q: int, block_k: int, head_dim: int, v_dim:
     and three f32 temporaries (p, dp, ds) the size of one compute sub-tile
     (``backward_compute_blocks``). ``fused_dq``: the dk/dv kernel that also
     computes dq, with its double-buffered f32 dq part block and a fourth
-    temporary (ds transposed)."""
+    temporary (ds transposed). ``window``: the sub-tiles' (``backward_compute_blocks``)."""
     d = head_dim + v_dim
-    sub_q, sub_k = backward_compute_blocks(block_q, block_k)
+    sub_q, sub_k = backward_compute_blocks(block_q, block_k, window)
     inputs = 2 * ((block_q + block_k) * d * itemsize + 2 * block_q * 128 * 4)
     outputs = 2 * block_k * d * itemsize + 4 * block_k * d
     if fused_dq:

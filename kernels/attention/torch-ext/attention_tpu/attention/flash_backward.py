@@ -325,11 +325,19 @@ def _dkv_call(inputs, table, first: int, count: int, keys: int, *, walk, walk_st
     )(*inputs[:4], walk_kv, walk_q, *inputs[4:])
 
 
-def _dq_sum_kernel(table_ref, parts_ref, *refs, first_kv_block: int, num_q_blocks: int, scale: float, carry: bool,
-                   final: bool):
+def _first_part(table_ref, b, q_block, *, first: int, count: int, num_q_blocks: int):
+    """The first of a call's ``count`` key blocks (from ``first``, counted
+    within the call) that the query block sees (clipped into the call)."""
+    return jnp.clip(kr.table_entry(table_ref, b, q_block, kr.FIRST, num_q_blocks) - first, 0, count - 1)
+
+
+def _dq_sum_kernel(table_ref, parts_ref, *refs, first_kv_block: int, count: int, num_q_blocks: int, scale: float,
+                   carry: bool, final: bool):
     carry_ref, out_ref, acc = refs if carry else (None, *refs)
     b, q_block, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    live, _ = kr.tile_kinds(table_ref, b, q_block, first_kv_block + j, num_q_blocks=num_q_blocks)
+    kv_block = first_kv_block + _first_part(table_ref, b, q_block, first=first_kv_block, count=count,
+                                            num_q_blocks=num_q_blocks) + j
+    live, _ = kr.tile_kinds(table_ref, b, q_block, kv_block, num_q_blocks=num_q_blocks)
 
     @pl.when(j == 0)
     def _init():
@@ -352,23 +360,26 @@ def _sum_dq_parts(parts, carry, table, *, first: int, final_dtype, scale: float,
     the next call, or with ``final_dtype`` set scaled into dq. Steps on a
     part no query row of the block sees keep the resident block (no DMA):
     only the live parts are read (XLA's reduction read them all, then wrote
-    an f32 sum that a second pass scaled and cast)."""
+    an f32 sum that a second pass scaled and cast). Each query block walks
+    from its first visible key block, as many steps as any query block sees
+    (``call_kv_steps``; gpt-oss's 128-key window at 8k in 2048-key blocks:
+    2 steps of 4, a step costing ~600-1000 cycles even when it reads nothing)."""
     batch, hkv, count, padded, d = parts.shape
 
     def part_at(b, h, qb, j, table_ref):
-        entry = functools.partial(kr.table_entry, table_ref, b, qb, num_q_blocks=num_q_blocks)
-        lo = jnp.clip(entry(kr.FIRST) - first, 0, count - 1)
-        return b, h, jnp.clip(j, lo, jnp.clip(entry(kr.LAST) - first, lo, count - 1)), qb, 0
+        lo = _first_part(table_ref, b, qb, first=first, count=count, num_q_blocks=num_q_blocks)
+        last = kr.table_entry(table_ref, b, qb, kr.LAST, num_q_blocks) - first
+        return b, h, jnp.clip(lo + j, lo, jnp.clip(last, lo, count - 1)), qb, 0
 
     rows_at = lambda b, h, qb, j, *_: (b, h, qb, 0)  # noqa: E731
     block = pl.BlockSpec((None, None, block_q, d), rows_at)
     final = final_dtype is not None
     return pl.pallas_call(
-        functools.partial(_dq_sum_kernel, first_kv_block=first, num_q_blocks=num_q_blocks, scale=scale,
+        functools.partial(_dq_sum_kernel, first_kv_block=first, count=count, num_q_blocks=num_q_blocks, scale=scale,
                           carry=carry is not None, final=final),
         out_shape=out_struct((batch, hkv, padded, d), final_dtype if final else jnp.float32, *operands),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(batch, hkv, num_q_blocks, count),
+            num_scalar_prefetch=1, grid=(batch, hkv, num_q_blocks, kr.call_kv_steps(table, first=first, count=count)),
             in_specs=[pl.BlockSpec((None, None, None, block_q, d), part_at), *([block] if carry is not None else [])],
             out_specs=block,
             scratch_shapes=[pltpu.VMEM((block_q, d), jnp.float32)],
@@ -392,7 +403,7 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
     batch, hq, hkv, sq, skv, d, dv, rows, (block_q, block_k) = shapes_and_blocks(
         blocks_lib.choose_backward_blocks, q, v, block_sizes, causal, window, generation)
     sub_q, sub_k = blocks_lib.check_compute_blocks(
-        compute_blocks or blocks_lib.backward_compute_blocks(block_q, block_k), block_q, block_k)
+        compute_blocks or blocks_lib.backward_compute_blocks(block_q, block_k, window), block_q, block_k)
     group = hq // hkv
     scale = d ** -0.5 if scale is None else scale
     d_sinks = jnp.zeros((hq,), jnp.float32)
@@ -431,10 +442,12 @@ def flash_attention_backward(q, k, v, out, lse, dout, key_bounds, sinks=None, *,
     # (more key blocks: several calls, each over its own key blocks, their sums added).
     part_bytes = batch * hkv * padded_rows * d * 4
     large_vmem = blocks_lib.backward_needs_large_vmem(
-        blocks_lib.backward_working_set_bytes(block_q, block_k, d, dv, kernel_dtype(q.dtype).itemsize), generation)
+        blocks_lib.backward_working_set_bytes(block_q, block_k, d, dv, kernel_dtype(q.dtype).itemsize, window=window),
+        generation)
     fused_dq = blocks_lib.fuses_dq(
         part_bytes,
-        blocks_lib.backward_working_set_bytes(block_q, block_k, d, dv, kernel_dtype(q.dtype).itemsize, fused_dq=True),
+        blocks_lib.backward_working_set_bytes(block_q, block_k, d, dv, kernel_dtype(q.dtype).itemsize, fused_dq=True,
+                                              window=window),
         block_k=block_k, num_kv_blocks=num_kv_blocks, generation=generation)
     per_call = blocks_lib.fused_dq_blocks_per_call(part_bytes, num_kv_blocks) if fused_dq else num_kv_blocks
     inputs = (sub_table, q_range, start, end, *map(as_kernel_operand, (q_rows, k, v, do_rows)), lane_rows(lse),

@@ -227,6 +227,15 @@ def kv_steps(table, *, num_kv_blocks: int, splits: int):
     return (most + splits - 1) // splits
 
 
+def call_kv_steps(table, *, first: int, count: int):
+    """The most of key blocks ``[first, first + count)`` any (batch, query
+    block) sees, at least one: the steps of a walk over one call's key blocks
+    that starts at each query block's first visible one."""
+    entries = table.reshape(-1, TABLE_COLUMNS)
+    lo, hi = jnp.maximum(entries[:, FIRST], first), jnp.minimum(entries[:, LAST], first + count - 1)
+    return jnp.clip(jnp.max(hi - lo + 1), 1, count)
+
+
 # A forward walk of the live (query block, KV block) pairs keeps two int32
 # scalars per pair in SMEM: at most this many pairs (batch x query blocks x KV
 # blocks); past it the grid stays rectangular.
