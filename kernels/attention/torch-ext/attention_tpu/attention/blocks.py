@@ -299,7 +299,9 @@ Gemma-4 sliding-512 8k (D 256)    512        whole, dq kernel            957
 off the diagonal still checks all 64 of them (gpt-oss's off-diagonal dk/dv
 steps: 6566 cycles at 256, 4137 at 512). tpu7x and v5e: gpt-oss 4809 ->
 3273, 8881 -> 6977; Gemma-4 sliding 711 -> 513, 2080 -> 1765. Wider windows keep
-``WINDOW_BLOCK`` (not measured at large blocks).
+``WINDOW_BLOCK`` (not measured at large blocks), as do float32 and float16
+(4-byte tiles: not estimated at large blocks, and gpt-oss's float16 backward
+at 2048 blocks took ~5 minutes to compile here, against ~15 s at 512).
 
 ``choose_kv_splits``: on a megacore chip (v4, v5p) a decode call whose only
 parallel work is a single (batch, head) pair would leave one TensorCore idle;
@@ -505,8 +507,9 @@ def choose_backward_blocks(rows: int, kv_len: int, *, head_dim: int = 128, v_dim
     ``backward_compute_blocks`` sub-tiles) where ``backward_working_set_bytes``
     fits the large budget and the sub-tiles are at most ``BACKWARD_COMPUTE_BLOCK``,
     else ``BACKWARD_COMPUTE_BLOCK`` square ones (``WINDOW_BLOCK`` under a causal
-    window wider than ``BACKWARD_WINDOW_SUB_TILE``; a narrower one takes the
-    large blocks in sub-tiles of that size), at most the rows / keys; ``block_k`` then ``block_q`` halved (not
+    window wider than ``BACKWARD_WINDOW_SUB_TILE`` or over 4-byte tiles; a
+    narrower one over 2-byte tiles takes the large blocks in sub-tiles of that
+    size), at most the rows / keys; ``block_k`` then ``block_q`` halved (not
     below 512 / 128) until the working set fits; ``BACKWARD_COMPUTE_BLOCK``
     ones again where only they fit with dq fused (module docstring)."""
     budget = tpu_generations.get_generation(generation).large_vmem_budget
@@ -520,9 +523,10 @@ def choose_backward_blocks(rows: int, kv_len: int, *, head_dim: int = 128, v_dim
 
     block_q, block_k = min(rows, BACKWARD_BLOCK), min(kv_len, BACKWARD_BLOCK)
     # Sub-tiles larger than BACKWARD_COMPUTE_BLOCK (a block it does not divide) keep the smaller blocks; so do
-    # windows wider than BACKWARD_WINDOW_SUB_TILE (not measured at large blocks).
-    wide_window = window > BACKWARD_WINDOW_SUB_TILE
-    if wide_window or not fits() or max(backward_compute_blocks(block_q, block_k, window)) > BACKWARD_COMPUTE_BLOCK:
+    # windows wider than BACKWARD_WINDOW_SUB_TILE and 4-byte tiles under a window (module docstring).
+    small_window_blocks = window > BACKWARD_WINDOW_SUB_TILE or (window and itemsize > 2)
+    if (small_window_blocks or not fits()
+            or max(backward_compute_blocks(block_q, block_k, window)) > BACKWARD_COMPUTE_BLOCK):
         size = WINDOW_BLOCK if window else BACKWARD_COMPUTE_BLOCK
         block_q, block_k = min(rows, size), min(kv_len, size)
     while not fits() and block_k > MIN_BLOCK_K:
