@@ -28,7 +28,7 @@ def test_spmd_experts_layer_numerics_and_slice_compiles():
     assert set(result["errors"]) == {"glu_silu_replicated", "glu_silu_sharded", "gpt_oss_replicated",
                                      "gpt_oss_sharded"}
     assert all(err < 1e-5 for err in result["errors"].values()), (result["errors"], SEED)
-    assert len(result["compiled_seconds"]) == 3
+    assert len(result["compiled_seconds"]) == 2
 
 
 def test_bad_splits_raise_clear_errors():
