@@ -160,7 +160,7 @@ _BINARY = {
 }
 _UNARY = {"neg": np.negative, "not": lambda a: ~a if a.dtype != bool else np.logical_not(a), "abs": np.abs,
           "sign": np.sign}
-_IDENTITY = {"squeeze", "reshape", "broadcast_in_dim", "copy"}
+_IDENTITY = {"squeeze", "reshape", "broadcast_in_dim", "copy", "multiple_of"}
 
 
 @dataclasses.dataclass
@@ -322,11 +322,15 @@ def _dma_bytes(ref, read=None, active=None) -> int:
     """Bytes of a DMA's ref. A dynamic slice size (``pl.ds(start, n)``, n
     traced) is read where known (its largest value over the steps that run
     it); unknown, the dimension's full extent (an upper bound)."""
+    from jax._src.state.indexing import Slice
+
     aval = getattr(ref, "ref", ref).aval
     shape = aval.shape
     for t in getattr(ref, "transforms", ()):
         if hasattr(t, "get_indexer_shape"):
             shape = t.get_indexer_shape()
+            # The extent of each dimension the indexer keeps (an integer index drops its dimension).
+            extents = [n for i, n in zip(t.indices, t.shape) if isinstance(i, Slice) or np.ndim(i) > 0]
             dims = []
             for d in shape:
                 if isinstance(d, (int, np.integer)):
@@ -334,7 +338,7 @@ def _dma_bytes(ref, read=None, active=None) -> int:
                     continue
                 v = read(d) if read is not None else UNKNOWN
                 if v is UNKNOWN:
-                    v = aval.shape[len(dims)] if len(dims) < len(aval.shape) else 0
+                    v = extents[len(dims)] if len(dims) < len(extents) else 0
                 v = np.broadcast_to(np.asarray(v), active.shape)[active] if active is not None else np.asarray(v)
                 dims.append(int(np.max(v, initial=0)))
             shape = dims

@@ -346,7 +346,8 @@ def test_visit_table_matches_the_dense_mask(trial):
 def test_decode_chunk_spans_match_the_dense_mask(trial):
     """The decode kernel's table: per batch row exactly the first and last chunk
     any query sees (an extra chunk would be read for nothing yet masked, so
-    only this test sees it), ``last < first`` for a row that sees no key; from
+    only this test sees it) and the end of the keys any sees (copies stop
+    there), ``last < first`` for a row that sees no key; from
     arbitrary ranges (some past the keys, clipped) and ranges ending on chunk
     edges."""
     rng = np.random.default_rng(SEED + 100 + trial)
@@ -358,10 +359,11 @@ def test_decode_chunk_spans_match_the_dense_mask(trial):
     bounds[2, 0] = [-5, skv + 300]  # outside the keys: clipped to all of them
     spans = np.asarray(kr.decode_chunk_spans(jnp.asarray(bounds), skv=skv, chunk=chunk)).reshape(b, kr.SPAN_COLUMNS)
     visible = _ranges_mask(np.clip(bounds, 0, skv), skv)[:, 0].any(axis=1)  # [B, Skv]: keys any query sees
-    for row, (first, last) in enumerate(spans):
+    for row, (first, last, end) in enumerate(spans):
         seen = [c for c in range(-(-skv // chunk)) if visible[row, c * chunk:(c + 1) * chunk].any()]
         if seen:
             assert (first, last) == (seen[0], seen[-1]), (row, first, last, seen)
+            assert end == np.flatnonzero(visible[row])[-1] + 1, (row, end)  # the copies stop there
         else:
             assert last < first, (row, first, last)
 

@@ -578,6 +578,45 @@ def test_replay_of_a_kernel_that_routes_itself_with_known_smem():
     assert rp.manual[0]  # the ANY operand moves by the kernel's own copies only
 
 
+def test_replay_reads_a_dynamic_copy_length_per_step():
+    # Each step copies x[b, :, :n] for a scalar-prefetched n through
+    # pl.multiple_of (the attention decode kernel's last chunk): the replay
+    # reads n per step. A length it cannot read (an SMEM scratch) stands for
+    # the sliced dimension's whole extent, not the one the integer index b
+    # dropped.
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    batch, heads, rows, cols = 2, 4, 64, 128
+
+    def kernel(lens, x_hbm, o_ref, unknown, buf, sem):
+        b = pl.program_id(0)
+        for n in (pl.multiple_of(lens[b], 8), unknown[0]):
+            copy = pltpu.make_async_copy(x_hbm.at[b, :, pl.ds(0, n)], buf.at[:, pl.ds(0, n)], sem)
+            copy.start()
+            copy.wait()
+        o_ref[...] = buf[0]
+
+    call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((batch, rows, cols), jnp.float32),
+                          grid_spec=pltpu.PrefetchScalarGridSpec(
+                              num_scalar_prefetch=1, grid=(batch,),
+                              in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+                              out_specs=pl.BlockSpec((None, rows, cols), lambda b, lens: (b, 0, 0)),
+                              scratch_shapes=[pltpu.SMEM((1,), jnp.int32),
+                                              pltpu.VMEM((heads, rows, cols), jnp.float32),
+                                              pltpu.SemaphoreType.DMA(())]),
+                          name="dynamic_lengths")
+    [kc] = tpu_estimator.kernel_calls(call, [np.array([24, 40], np.int32),
+                                             jax.ShapeDtypeStruct((batch, heads, rows, cols), jnp.float32)])
+    rp = tpu_estimator.replay(kc)
+    starts = [(list(ev.active), ev.nbytes) for ev in rp.dmas if ev.kind == "start"]
+    row_bytes = heads * cols * 4
+    # A start runs on both steps and is charged its largest length (step 1's 40 rows).
+    assert starts == [([True, True], 40 * row_bytes), ([True, True], rows * row_bytes)]
+
+
 def test_replay_sums_a_nested_loop_over_its_parents_trips():
     # An outer loop that copies (so its trips are interpreted one by one)
     # runs an inner loop of table[i] trips: 1, 4, 2. Beyond the one trip per

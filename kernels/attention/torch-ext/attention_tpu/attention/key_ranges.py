@@ -179,13 +179,14 @@ def ranges_and_table(key_bounds, group: int, *, sq: int, skv: int, causal: bool,
 
 
 # Columns of the decode kernel's per-batch-row table (``decode_chunk_spans``).
-SPAN_FIRST, SPAN_LAST = range(2)
-SPAN_COLUMNS = 2
+SPAN_FIRST, SPAN_LAST, SPAN_END = range(3)
+SPAN_COLUMNS = 3
 
 
 def decode_chunk_spans(key_bounds, *, skv: int, chunk: int):
-    """int32 ``[B * 2]``: per batch row the first and last ``chunk``-key chunk
-    any of its queries sees (``last < first``: none), straight from the ranges
+    """int32 ``[B * 3]``: per batch row the first and last ``chunk``-key chunk
+    any of its queries sees (``last < first``: none) and the end of the keys
+    any sees (exclusive; the decode kernel copies no further), from the ranges
     ``key_bounds [B, Sq, 2]`` (the G heads of a group share them): what the
     decode kernel walks, without the rule fit and the whole-block columns of
     ``visit_table`` (fewer XLA ops around a kernel of a few microseconds)."""
@@ -197,7 +198,8 @@ def decode_chunk_spans(key_bounds, *, skv: int, chunk: int):
     some = any_hi > any_lo
     first = jnp.where(some, any_lo // chunk, 0)
     last = jnp.where(some, (any_hi - 1) // chunk, -1)
-    return jnp.stack([first, last], axis=-1).astype(jnp.int32).reshape(-1)
+    end = jnp.where(some, any_hi, 0)
+    return jnp.stack([first, last, end], axis=-1).astype(jnp.int32).reshape(-1)
 
 
 def _query_blocks_seeing(table, kv_blocks, *, num_q_blocks: int):
