@@ -257,10 +257,34 @@ GATED_CASES = [("interleaved", 300, 256, 640, 5, (64, 256, 128), True, "v6e"),
                # concatenated halves over two column tiles, with a bias: int8 only (pallas_gmm's
                # forward reads each half's tile); fp8 / mxfp4 refuse it (gated_store_tiling)
                ("concatenated", 300, 256, 512, 5, (64, 256, 128), True, "v6e")]
+# int8 only (pallas_gmm's forward): 18 local experts at decode-like sizes (at most 16 rows a group), so
+# the column scales (f32: 8 experts a block) and biases (bf16: 16) are read in blocks past the first,
+# the visit's row picked in the kernel; I = 144, whose column tiles are not lane-aligned, reads them
+# through the [G, 2, 1, I] view instead (so do the 300-row cases above: 100 rows a group).
+INT8_GATED_CASES = [("concatenated", 200, 256, 512, 20, (64, 256, 128), True, "v6e"),
+                    ("interleaved", 120, 256, 512, 20, (16, 256, 128), "bf16", "v6e"),
+                    ("concatenated", 64, 256, 288, 20, None, True, "v6e")]
+ALL_GATED_CASES = ([(f, case) for f in FORMATS for case in GATED_CASES]
+                   + [("int8", case) for case in INT8_GATED_CASES])
 
 
-@pytest.mark.parametrize("case", range(len(GATED_CASES)))
-@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_column_vectors_in_place_rule():
+    """Per-column vectors (int8 scales, gate biases) in their own layout at
+    most 16 rows a group, in lane-aligned column tiles (whole halves of
+    concatenated weights), in blocks of a whole native tile of experts."""
+    rule = pallas_gmm.column_tiles_in_place
+    assert rule(256, 128, 128, True, m=200, num_local=18)
+    assert not rule(256, 128, 128, True, m=300, num_local=18)  # 17 rows a group: the views
+    assert not rule(144, 144, 144, True, m=64, num_local=18)  # a half's tile not lane-aligned
+    assert not rule(384, 256, 256, True, m=64, num_local=18)  # a tile straddling the halves
+    assert rule(256, 128, 256, False, m=64, num_local=18)  # interleaved halves: 256-column tiles
+    assert rule(200, 200, 200, False, m=64, num_local=18)  # the whole (unaligned) width
+    assert not rule(400, 200, 200, False, m=64, num_local=18)
+    assert (pallas_gmm.expert_rows(jnp.float32), pallas_gmm.expert_rows(jnp.bfloat16)) == (8, 16)
+
+
+@pytest.mark.parametrize("fmt_name,case", ALL_GATED_CASES,
+                         ids=[f"{f}-{c[0]}-{c[1]}x{c[3]}-g{c[4]}-{c[7]}" for f, c in ALL_GATED_CASES])
 def test_gated_store_matches_float64(fmt_name, case):
     """``gmm(glu=)`` on quantized weights: the gate (and the up bias) at the
     store, ``[M, I]`` bf16 activations. The same kernel's f32 product (held
@@ -271,8 +295,8 @@ def test_gated_store_matches_float64(fmt_name, case):
     bias."""
     from moe_experts_tpu.experts.gates import pair_gate
 
-    halves, m, k, n, g, t, with_bias, generation = GATED_CASES[case]
-    rng = np.random.default_rng([SEED, 29, FORMATS.index(fmt_name), case])
+    halves, m, k, n, g, t, with_bias, generation = case
+    rng = np.random.default_rng([SEED, 29, FORMATS.index(fmt_name), m, n, g])
     offset, local = (1, g - 2) if with_bias else (0, g)
     lhs, values, scales, sizes = inputs(rng, fmt_name, m, k, n, g, "random", jnp.bfloat16, num_local=local)
     w = reference.dequantize_weights(values, scales, fmt_name)
@@ -280,6 +304,8 @@ def test_gated_store_matches_float64(fmt_name, case):
     lhs = np.asarray(jnp.asarray(lhs * 2.0 / np.abs(reference.ragged_dot(lhs, w, sizes, "nk", offset)).max(),
                                  jnp.bfloat16).astype(jnp.float32), np.float64)
     bias = rng.standard_normal((local, n)).astype(np.float32) if with_bias else None
+    if with_bias == "bf16":
+        bias = bias.astype(ml_dtypes.bfloat16)
     kw = dict(tiling=t, generation=generation, group_offset=offset)
     glu = dict(out_dtype=jnp.bfloat16, glu=pair_gate("gpt_oss", 1.5, 4.0), glu_halves=halves,
                glu_bias=None if bias is None else jnp.asarray(bias))
@@ -299,12 +325,13 @@ def test_gated_store_matches_float64(fmt_name, case):
     for j in range(local):
         rows_group[starts[offset + j]:ends[offset + j]] = j
         local_rows[starts[offset + j]:ends[offset + j]] = True
-    want = np.where(local_rows[:, None], _gate_reference(h, halves, bias, rows_group), 0.0)
+    want = np.where(local_rows[:, None], _gate_reference(h, halves, None if bias is None else bias.astype(np.float64),
+                                                         rows_group), 0.0)
     got = np.asarray(got.astype(jnp.float32), np.float64)
     assert not np.isnan(got).any(), f"{fmt_name} {halves}: NaN (unwritten) elements"
     assert (got[~local_rows] == 0).all(), "rows outside the local groups must be zeros"
     err = (np.abs(got - want) / (2.0 ** -8 * np.abs(want) + 1e-5 * np.abs(want).max())).max()
-    assert err <= 1, f"{fmt_name} {GATED_CASES[case]}: error {err:.3g} of the bf16 rounding (seed {SEED})"
+    assert err <= 1, f"{fmt_name} {case}: error {err:.3g} of the bf16 rounding (seed {SEED})"
 
 
 def test_gated_store_tiling_needs_both_halves_in_a_tile():
@@ -521,7 +548,7 @@ def test_compiles_for_tpu_generations(fmt_name, generation):
 @pytest.mark.parametrize("fmt_name", FORMATS)
 def test_gated_store_compiles_for_tpu_generations(fmt_name, generation):
     """The gated store lowers on every generation: gpt-oss's interleaved
-    halves with the up bias (K = 2880) at decode (fp8's K slices, mxfp4's
+    halves with the up bias (f32, bf16; K = 2880) at decode (fp8's K slices, mxfp4's
     stacked path) and prefill rows (the dequantized tile), and concatenated
     halves in one whole tile; the kernel's own weight pipeline on v5e / v6e /
     tpu7x, the grid's on v4 / v5p."""
@@ -530,9 +557,11 @@ def test_gated_store_compiles_for_tpu_generations(fmt_name, generation):
     from ragged_dot_tpu.common import aot
 
     fmt = quant_formats.weight_format(fmt_name)
-    for halves, m, k, n, g in (("interleaved", 64, 2880, 768, 4), ("interleaved", 1024, 2880, 768, 4),
-                               ("concatenated", 1024, 1024, 512, 4)):
-        bias = ((g, n), jnp.float32) if halves == "interleaved" else None
+    # 20 experts: the biases (and int8's column scales) in blocks of 8 (f32) or 16 (bf16) experts' rows
+    for halves, m, k, n, g, bias_dtype in (("interleaved", 64, 2880, 768, 20, jnp.float32),
+                                           ("interleaved", 1024, 2880, 768, 20, jnp.bfloat16),
+                                           ("concatenated", 1024, 1024, 512, 20, None)):
+        bias = ((g, n), bias_dtype) if bias_dtype else None
 
         def gated(x, v, s, gs, *b, halves=halves):
             return pallas_gmm.gmm(x, v, gs, rhs_scales=s, weight_format=fmt_name, generation=generation,

@@ -339,6 +339,64 @@ class WeightPrefetch:
         return slot
 
 
+def _rhs_spec(half: int | None, rhs_layout: str, tn_rhs: int, tk: int) -> pl.BlockSpec:
+    """The ``tn_rhs``-column weight tile of a visit's expert: of ``rhs``, or of
+    half ``half`` of its ``[G, 2, I, K]`` view (concatenated gated halves)."""
+    if half is not None:
+        return pl.BlockSpec((pl.Squeezed(), pl.Squeezed(), tn_rhs, tk),
+                            lambda n_i, v, k_i, seg, tile, starts, ends, group, *_: (group[v], half, n_i, k_i))
+    if rhs_layout == "nk":
+        return pl.BlockSpec((pl.Squeezed(), tn_rhs, tk),
+                            lambda n_i, v, k_i, seg, tile, starts, ends, group, *_: (group[v], n_i, k_i))
+    return pl.BlockSpec((pl.Squeezed(), tk, tn_rhs),
+                        lambda n_i, v, k_i, seg, tile, starts, ends, group, *_: (group[v], k_i, n_i))
+
+
+def expert_rows(dtype) -> int:
+    """Experts' rows in one block of a per-column vector (``[G, N]``: int8
+    scales, gate biases) read in its own layout: a whole (8, 128) tile of 32
+    bits, (16, 128) of 16."""
+    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+
+
+def expert_column(ref, experts: int, group):
+    """``[1, tn]`` f32: expert ``group``'s row of a per-column vector's block,
+    ``[1, tn]`` already (``experts`` 0: a ``[G, 1, N]`` view) or the
+    ``[experts, tn]`` block of its own layout holding it (``expert_rows``)."""
+    block = ref[...].astype(jnp.float32)
+    if not experts:
+        return block
+    # Selected and summed over the block's sublanes (a load at a dynamic
+    # sublane offset estimated no faster: v6e Qwen3-30B-A3B int8, 64 tokens
+    # 381.6 -> 383.0 us, and 16-bit rows come packed in pairs).
+    mine = lax.broadcasted_iota(jnp.int32, block.shape, 0) == lax.rem(group, experts)
+    return jnp.sum(jnp.where(mine, block, 0.0), axis=0, keepdims=True)
+
+
+# Average rows a group up to which per-column vectors are read in their own
+# layout (``column_tiles_in_place``). Estimated v6e, int8, the layer, views
+# -> own layout: Qwen3-30B-A3B 1 / 8 / 64 tokens (1 to 4 rows a group) 28.3 ->
+# 26.1, 150.3 -> 148.6, 383.0 -> 381.6 us; Mixtral-8x7B 64 tokens (16 rows)
+# 870.6 -> 868.9; but Qwen3 512 tokens (32 rows) 438.4 -> 443.6, 4096
+# 897.9 -> 913.3: the views' relayout is a fixed ~0.7 us per vector, the
+# row picked in the kernel costs every step, which shows once the steps
+# compute longer than their weights take to arrive.
+COLUMNS_IN_PLACE_MAX_ROWS_PER_GROUP = 16
+
+
+def column_tiles_in_place(n: int, tn: int, tn_rhs: int, concatenated: bool, m: int, num_local: int) -> bool:
+    """Whether ``[G, N]`` per-column vectors are read in their own layout: at
+    decode-like sizes (``COLUMNS_IN_PLACE_MAX_ROWS_PER_GROUP``), with column
+    tiles lane-aligned (or the whole width) and, with concatenated halves,
+    each half a whole number of tiles (half ``h``'s tile ``j`` is column tile
+    ``h * I / tn + j``)."""
+    if m > COLUMNS_IN_PLACE_MAX_ROWS_PER_GROUP * num_local:
+        return False
+    if concatenated:
+        return tn % 128 == 0 and n % tn == 0
+    return tn_rhs % 128 == 0 or tn_rhs == n * (tn_rhs // tn)
+
+
 def prefetches_weights(whole_k: bool, generation: str | None) -> bool:
     """Whether the forward kernel runs ``WeightPrefetch`` (else the grid's pipeline)."""
     return whole_k and tpu_generations.get_generation(generation).tensorcores == 1
@@ -350,10 +408,10 @@ def _gmm_kernel(
     # accumulator per rhs, or the weight buffers
     tm: int, tk: int, k: int, tiles_k: int, num_segments: int, rhs_layout: str, row_chunk: int, glu=None,
     glu_halves: str | None = None, num_bias: int = 0, valid_cols: int = 0, masked_store: bool = True,
-    prefetch: WeightPrefetch | None = None, column_scales: bool = False,
+    prefetch: WeightPrefetch | None = None, column_scales: bool = False, column_experts: tuple[int, ...] = (),
 ):
     num_scalars = 5 + (3 if prefetch else 0)
-    seg_ref, tile_ref, seg_start_ref, seg_end_ref = refs[:4]
+    seg_ref, tile_ref, seg_start_ref, seg_end_ref, group_ref = refs[:5]
     lhs_ref, refs = refs[num_scalars], (refs[5:num_scalars], refs[num_scalars + 1:])
     run_refs, refs = refs
     num_rhs = 2 if glu_halves == "concatenated" else 1
@@ -383,13 +441,23 @@ def _gmm_kernel(
             return [(tm, 0, True)]
         return visit_row_chunks(tm, row_chunk, start - tile_ref[v] * tm, end - tile_ref[v] * tm)
 
-    def finish(products):
+    column_refs = (*scale_refs, *bias_refs)
+
+    def columns():
+        """The visit's expert's per-column vectors (int8 scales, then biases),
+        ``[1, tn]`` f32 each: read once per step, not per row chunk (picking a
+        row of a block of experts costs a few vector ops per 128 columns)."""
+        experts = column_experts or (0,) * len(column_refs)
+        return [expert_column(r, e, group_ref[v]) for r, e in zip(column_refs, experts)]
+
+    def finish(products, cols):
         """The stored value: the product, or the gate applied to both halves' products."""
+        scales, biases = cols[:len(scale_refs)], cols[len(scale_refs):]
         # int8 weights: the f32 product times each output column's scale (exact products)
-        products = [p * sc[...] for p, sc in zip(products, scale_refs)] or products
+        products = [p * sc for p, sc in zip(products, scales)] or products
         if glu is None:
             return products[0]
-        products = [p + b[...].astype(jnp.float32) for p, b in zip(products, bias_refs)] or products
+        products = [p + b for p, b in zip(products, biases)] or products
         if glu_halves == "concatenated":
             return glu(*products)
         return gate_interleaved(products[0], glu, out_ref.dtype, pl.program_id(0), valid_cols)
@@ -402,12 +470,13 @@ def _gmm_kernel(
         # every row of a tile belongs to exactly one visit's segment, and a
         # visit writes only its own rows (a masked store), so the block is
         # whole when the tile's last visit ends.
+        cols = columns()
         for size, first, live in visit_chunks():
 
             @pl.when(is_local & live)
             def _compute(rows=pl.ds(first, size), first_row=tile_ref[v] * tm + first):
                 x = lhs_ref[rows, :]
-                value = finish([dot_f32(x, r[...], 1, w_contract) for r in rhs_refs])
+                value = finish([dot_f32(x, r[...], 1, w_contract) for r in rhs_refs], cols)
                 store_chunk_rows(out_ref, rows, value, first_row, start, end, masked_store)
 
         @pl.when(jnp.logical_not(is_local))
@@ -445,13 +514,15 @@ def _gmm_kernel(
             pl.when(is_local & live & (k_i < tiles_k - 1))(functools.partial(accumulate, rows, False))
             pl.when(is_local & live & (k_i == tiles_k - 1))(functools.partial(accumulate, rows, True))
 
-    def gate_chunk(rows):
-        act_ref[rows, :] = finish([acc_ref[rows, :] for acc_ref in acc_refs])
+    def gate_chunk(rows, cols):
+        act_ref[rows, :] = finish([acc_ref[rows, :] for acc_ref in acc_refs], cols)
 
     @pl.when((k_i == tiles_k - 1) & is_local)
     def _store():
+        cols = columns()
         if not gated_chunks:
-            store_visit_rows(out_ref, finish([acc_ref[...] for acc_ref in acc_refs]), v, tile_ref, tm, start, end)
+            store_visit_rows(out_ref, finish([acc_ref[...] for acc_ref in acc_refs], cols), v, tile_ref, tm, start,
+                             end)
             return
         # The gate and selection only on the chunks the visit computed: a
         # 64-row group in a 512-row tile pays for 128 or 256 rows, not 512.
@@ -461,7 +532,7 @@ def _gmm_kernel(
         # lose (v6e Mixtral-8x7B 4096 tokens 5282 -> 5368: the gate is cheap,
         # the extra pass over act_ref is not).
         for rows, live in chunks:
-            pl.when(live)(functools.partial(gate_chunk, rows))
+            pl.when(live)(functools.partial(gate_chunk, rows, cols))
         store_visit_rows(out_ref, act_ref[...], v, tile_ref, tm, start, end)
 
     # Rows outside the local groups are zeros (not a gate of zero products, which a bias makes nonzero).
@@ -599,29 +670,34 @@ def gmm(
     lhs_spec = pl.BlockSpec((tm, tk), lambda n_i, v, k_i, seg, tile, *_: (tile[v], k_i))
     # Per output column, laid out like rhs's columns: int8 scales, the gate's biases.
     column_vectors = [x for x in ((rhs_scales if weight_format in DIRECT_FORMATS else None), glu_bias) if x is not None]
-    if concatenated:
-        # [G, 2, I, K]: a free view of [G, 2I, K] (I a multiple of the sublane
-        # tile, ``check_glu_args``); one spec per half, the same column tile.
-        operands = [rhs.reshape(num_local, 2, n, k)] * 2
-        rhs_specs = [pl.BlockSpec((pl.Squeezed(), pl.Squeezed(), tn, tk),
-                                  lambda n_i, v, k_i, seg, tile, starts, ends, group, *_, h=h: (group[v], h, n_i, k_i))
-                     for h in range(2)]
+    halves = range(2) if concatenated else (None,)  # a spec per half of concatenated weights
+    tile_cols = tn if concatenated else tn_rhs  # weight columns of one spec's tile
+    # [G, 2, I, K]: a free view of [G, 2I, K] (I a multiple of the sublane tile, ``check_glu_args``).
+    operands = [rhs.reshape(num_local, 2, n, k)] * 2 if concatenated else [rhs]
+    rhs_specs = [_rhs_spec(h, rhs_layout, tile_cols, tk) for h in halves]
+    column_specs, column_experts = [], ()
+    if column_vectors and column_tiles_in_place(n, tn, tn_rhs, concatenated, m, num_local):
+        # In their own [G, N] layout, a block of several experts' rows, the
+        # visit's row picked in the kernel: the [G, .., 1, N] views below cost
+        # an XLA relayout before every call (COLUMNS_IN_PLACE_MAX_ROWS_PER_GROUP).
         for x in column_vectors:
-            operands += [x.reshape(num_local, 2, 1, n)] * 2
-        column_specs = [pl.BlockSpec((pl.Squeezed(), pl.Squeezed(), 1, tn),
-                                     lambda n_i, v, k_i, seg, tile, starts, ends, group, *_, h=h: (group[v], h, 0, n_i))
-                        for h in range(2)] * len(column_vectors)
+            experts = min(num_local, expert_rows(x.dtype))
+            operands += [x] * len(halves)
+            column_experts += (experts,) * len(halves)
+            column_specs += [pl.BlockSpec(
+                (experts, tile_cols), lambda n_i, v, k_i, seg, tile, starts, ends, group, *_, h=h, e=experts:
+                (lax.div(group[v], e), n_i if h is None else h * (n // tn) + n_i)) for h in halves]
     else:
-        operands = [rhs] + [x.reshape(num_local, 1, n * (tn_rhs // tn)) for x in column_vectors]
-        if rhs_layout == "nk":
-            rhs_specs = [pl.BlockSpec((pl.Squeezed(), tn_rhs, tk),
-                                      lambda n_i, v, k_i, seg, tile, starts, ends, group, *_: (group[v], n_i, k_i))]
-        else:
-            rhs_specs = [pl.BlockSpec((pl.Squeezed(), tk, tn_rhs),
-                                      lambda n_i, v, k_i, seg, tile, starts, ends, group, *_: (group[v], k_i, n_i))]
-        column_specs = [pl.BlockSpec((pl.Squeezed(), 1, tn_rhs),
-                                     lambda n_i, v, k_i, seg, tile, starts, ends, group, *_: (group[v], 0, n_i))
-                        ] * len(column_vectors)
+        for x in column_vectors:
+            operands += ([x.reshape(num_local, 2, 1, n)] * 2 if concatenated
+                         else [x.reshape(num_local, 1, n * (tn_rhs // tn))])
+            column_specs += [
+                pl.BlockSpec((pl.Squeezed(), 1, tile_cols),
+                             lambda n_i, v, k_i, seg, tile, starts, ends, group, *_: (group[v], 0, n_i))
+                if h is None else
+                pl.BlockSpec((pl.Squeezed(), pl.Squeezed(), 1, tile_cols),
+                             lambda n_i, v, k_i, seg, tile, starts, ends, group, *_, h=h: (group[v], h, 0, n_i))
+                for h in halves]
     num_bias = len(rhs_specs) if glu_bias is not None else 0  # the last column vectors' specs
     out_spec = pl.BlockSpec((tm, tn), lambda n_i, v, k_i, seg, tile, *_: (tile[v], n_i))
 
@@ -646,6 +722,7 @@ def gmm(
         glu_halves=glu_halves if glu is not None else None, num_bias=num_bias,
         valid_cols=2 * n if glu is not None and not concatenated and n % tn else 0,
         masked_store=not interpret, prefetch=prefetch, column_scales=weight_format in DIRECT_FORMATS,
+        column_experts=column_experts,
     )
     # What the kernel reads, as XLA schedules around it: M rows touch at most
     # M experts (decode: 8 of 128), not every expert of rhs.

@@ -119,8 +119,9 @@ from ..common import quant_formats
 from ..common.pallas_helpers import compiler_params, dot_f32, out_struct, zero_past
 from ..common.tile_math import cdiv
 from . import quantized, tiling as tiling_lib
-from .pallas_gmm import (WeightBlock, WeightPrefetch, gate_interleaved, check_glu_args, forward_visits,
-                         prefetches_weights, store_chunk_rows, store_visit_rows, weight_runs)
+from .pallas_gmm import (WeightBlock, WeightPrefetch, gate_interleaved, check_glu_args, column_tiles_in_place,
+                         expert_column, expert_rows, forward_visits, prefetches_weights, store_chunk_rows,
+                         store_visit_rows, weight_runs)
 
 DECODED_FORMATS = ("fp8", "mxfp4")
 FP8_BLOCK = quant_formats.FORMATS["fp8"].block_k  # 128 (both dims)
@@ -184,16 +185,33 @@ def _expand_fp8_scales(scales_ref, expanded_ref, n_i, k_i, *, tn, tk, tiles_n):
         precision=lax.Precision.HIGHEST)
 
 
-def _fp8_slice_scales(scales_t_ref, n_i, *, tn):
-    """``[K/128 (padded to 8), tn]``: row j holds, at tile column c, the scale
-    of K block j and the 128-row block of output column ``n_i * tn + c``; one
-    small one-hot matmul from the expert's transposed ``[K/128, N/128]``
-    scales (exact at HIGHEST precision: each output is one scale times 1)."""
-    s = scales_t_ref[...]  # [K/128 padded to 8, N/128 padded to 128]
-    column = n_i * tn + lax.broadcasted_iota(jnp.int32, (s.shape[1], tn), 1)
-    one_hot = lax.shift_right_logical(column, 7) == lax.broadcasted_iota(jnp.int32, (s.shape[1], tn), 0)
-    return lax.dot_general(s, one_hot.astype(jnp.float32), (((1,), (0,)), ((), ())),
-                           preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+# Rows of a call up to which fp8's sliced path reads the expert's block
+# scales in their own ``[N/128, K/128]`` layout and contracts them over N in
+# the kernel, rather than transposed by XLA before the call (~0.7 us per
+# projection). Estimated v6e, the layer, transposed -> own layout:
+# Qwen3-30B-A3B 1 / 8 tokens (8 / 64 rows) 27.6 -> 25.2, 148.9 -> 147.3 us,
+# gpt-oss-20b 1 / 8 64.0 -> 63.0, 322.4 -> 321.5; but Qwen3 64 tokens (512
+# rows) 369.0 -> 375.1, gpt-oss-20b 64 493.1 -> 496.7: the transposed
+# contraction costs each dequantizing visit.
+FP8_SCALES_IN_PLACE_MAX_ROWS = 64
+
+
+def _fp8_slice_scales(scales_ref, n_i, *, tn, rows: int, transposed: bool):
+    """``[rows, tn]`` (K/128 rows, then zeros to ``rows``): row j holds, at
+    tile column c, the scale of K block j and the 128-row block of output
+    column ``n_i * tn + c``; one small one-hot matmul over the expert's N
+    blocks of scales, ``[N/128, K/128]`` or (``transposed``) ``[K/128,
+    N/128]`` padded to whole tiles (exact at HIGHEST precision: each output
+    is one scale times 1)."""
+    s = scales_ref[...]
+    blocks_n = s.shape[1] if transposed else s.shape[0]
+    column = n_i * tn + lax.broadcasted_iota(jnp.int32, (blocks_n, tn), 1)
+    one_hot = lax.shift_right_logical(column, 7) == lax.broadcasted_iota(jnp.int32, (blocks_n, tn), 0)
+    out = lax.dot_general(s, one_hot.astype(jnp.float32), (((1 if transposed else 0,), (0,)), ((), ())),
+                          preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+    if rows > out.shape[0]:
+        out = jnp.concatenate([out, jnp.zeros((rows - out.shape[0], tn), out.dtype)], axis=0)
+    return out
 
 
 def _fp8_sliced_dot(x, values_ref, slice_scales, k_i, *, tk, k, e4m3_into_mxu):
@@ -441,12 +459,13 @@ def _qgmm_kernel(
     # when prefetched), scales; out; scratch: f32 accumulator, dequantized tile, expanded scales (fp8, mxfp4
     # stacked), the prefetched weight buffers and their semaphores
     weight_format: str, tm: int, tn: int, tk: int, k: int, tiles_n: int, tiles_k: int,
-    num_segments: int, row_chunk: int, half: int, fp8_sliced: bool, e4m3_into_mxu: bool,
+    num_segments: int, row_chunk: int, half: int, fp8_sliced: bool, fp8_scales_transposed: bool,
+    e4m3_into_mxu: bool,
     mxfp4_stacked: bool, prefetch: WeightPrefetch | None = None, glu=None, glu_halves: str | None = None,
-    has_bias: bool = False, valid_cols: int = 0, masked_store: bool = True,
+    has_bias: bool = False, bias_experts: int = 0, valid_cols: int = 0, masked_store: bool = True,
 ):
     num_scalars = 6 + (3 if prefetch else 0)
-    seg_ref, tile_ref, seg_start_ref, seg_end_ref, _group_ref, dequantize_ref = refs[:6]
+    seg_ref, tile_ref, seg_start_ref, seg_end_ref, group_ref, dequantize_ref = refs[:6]
     run_refs = refs[6:num_scalars]
     lhs_ref, values_ref, scales_ref = refs[num_scalars:num_scalars + 3]
     refs = refs[num_scalars + 3:]
@@ -476,7 +495,8 @@ def _qgmm_kernel(
     # megacore): the table marks it whenever it is local.
     def _dequantize():
         if fp8_sliced:
-            expanded_ref[0][...] = _fp8_slice_scales(scales_ref, n_i, tn=tn)
+            expanded_ref[0][...] = _fp8_slice_scales(scales_ref, n_i, tn=tn, rows=expanded_ref[0].shape[0],
+                                                     transposed=fp8_scales_transposed)
         elif mxfp4_stacked:
             scale_rows = _mxfp4_scale_rows(scales_ref, k_i, tk=tk, k=k)
             pad = expanded_ref[0].shape[0] - scale_rows.shape[0]
@@ -525,10 +545,13 @@ def _qgmm_kernel(
         pl.when(k_i == tiles_k - 1)(lambda: store_visit_rows(out_ref, acc_ref[...], v, tile_ref, tm, start, end))
         return
 
+    # The visit's expert's bias, read once per step (not per row chunk).
+    bias = expert_column(bias_ref, bias_experts, group_ref[v]) if bias_ref is not None else None
+
     def store_gated_chunk(c, rows):
         value = acc_ref[rows, :]
-        if bias_ref is not None:
-            value = value + bias_ref[...].astype(jnp.float32)
+        if bias is not None:
+            value = value + bias
         if glu_halves == "concatenated":  # the step's tile holds both whole halves
             half_width = value.shape[1] // 2
             gated = glu(value[:, :half_width], value[:, half_width:])
@@ -622,6 +645,7 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
     # the device's own generation when none is given: on a v4 the e4m3 dot would not compile
     device_generation = generation or tiling_lib.tpu_generations.current_generation()
     fp8_sliced = weight_format == "fp8" and tiling_lib.fp8_sliced(m, num_local, device_generation)
+    fp8_scales_transposed = fp8_sliced and m > FP8_SCALES_IN_PLACE_MAX_ROWS
     e4m3_into_mxu = device_generation in FP8_MXU_GENERATIONS
     mxfp4_stacked = (weight_format == "mxfp4" and e4m3_into_mxu and lhs.dtype == jnp.bfloat16
                      and tiling_lib.mxfp4_stacked(m, num_local, tm, tn))
@@ -633,10 +657,12 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
                                    lambda n_i, v, k_i, s, tl, a, b, g, *_: (g[v], n_i, k_i))
     elif fp8_sliced:
         values_block = (pl.Squeezed(), tn, tk)
-        # [E, K/128, N/128], padded to whole (8, 128) tiles: the kernel expands one row per K slice
-        scales_t = jnp.swapaxes(scales, 1, 2)
-        scales_t = jnp.pad(scales_t, ((0, 0), (0, -scales_t.shape[1] % 8), (0, -scales_t.shape[2] % 128)))
-        scales = scales_t
+        # The kernel expands one row of scales per K slice (_fp8_slice_scales), from
+        # [E, N/128, K/128] as they are or, past FP8_SCALES_IN_PLACE_MAX_ROWS rows,
+        # transposed to [E, K/128, N/128] and padded to whole (8, 128) tiles.
+        if fp8_scales_transposed:
+            scales = jnp.swapaxes(scales, 1, 2)
+            scales = jnp.pad(scales, ((0, 0), (0, -scales.shape[1] % 8), (0, -scales.shape[2] % 128)))
         scales_spec = pl.BlockSpec((pl.Squeezed(), *scales.shape[1:]),
                                    lambda n_i, v, k_i, s, tl, a, b, g, *_: (g[v], 0, 0))
     else:
@@ -649,10 +675,16 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
     lhs_spec = pl.BlockSpec((tm, tkw), lambda n_i, v, k_i, s, tl, *_: (tl[v], k_i))
     values_spec = pl.BlockSpec(values_block, lambda n_i, v, k_i, s, tl, a, b, g, *_: (g[v], n_i, k_i))
     out_spec = pl.BlockSpec((tm, tn_out), lambda n_i, v, k_i, s, tl, *_: (tl[v], n_i))
-    bias_specs, biases = [], []
+    bias_specs, biases, bias_experts = [], [], 0
     if glu_bias is not None:  # the values tile's columns of its group's bias
-        biases = [glu_bias.reshape(num_local, 1, n)]
-        bias_specs = [pl.BlockSpec((pl.Squeezed(), 1, tn), lambda n_i, v, k_i, s, tl, a, b, g, *_: (g[v], 0, n_i))]
+        if column_tiles_in_place(n, tn, tn, False, m, num_local):  # its own layout (pallas_gmm's column vectors)
+            bias_experts = min(num_local, expert_rows(glu_bias.dtype))
+            biases = [glu_bias]
+            bias_specs = [pl.BlockSpec((bias_experts, tn), lambda n_i, v, k_i, s, tl, a, b, g, *_, e=bias_experts:
+                                       (lax.div(g[v], e), n_i))]
+        else:
+            biases = [glu_bias.reshape(num_local, 1, n)]
+            bias_specs = [pl.BlockSpec((pl.Squeezed(), 1, tn), lambda n_i, v, k_i, s, tl, a, b, g, *_: (g[v], 0, n_i))]
 
     # With K whole on a one-TensorCore chip the kernel moves its value tiles
     # itself, a run of visits ahead (``pallas_gmm.WeightPrefetch``); the
@@ -669,9 +701,10 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
         _qgmm_kernel, weight_format=weight_format, tm=tm, tn=tn, tk=tk, k=k, tiles_n=tiles_n,
         tiles_k=tiles_k, num_segments=num_local + 2,
         row_chunk=min(MXFP4_STACKED_ROW_CHUNK, tm) if mxfp4_stacked else tiling_lib.row_chunk(tm, generation),
-        half=half, fp8_sliced=fp8_sliced, e4m3_into_mxu=e4m3_into_mxu, mxfp4_stacked=mxfp4_stacked,
+        half=half, fp8_sliced=fp8_sliced, fp8_scales_transposed=fp8_scales_transposed, e4m3_into_mxu=e4m3_into_mxu,
+        mxfp4_stacked=mxfp4_stacked,
         prefetch=prefetch, glu=glu, glu_halves=glu_halves if glu is not None else None,
-        has_bias=glu_bias is not None, valid_cols=n if glu is not None and n % tn else 0,
+        has_bias=glu_bias is not None, bias_experts=bias_experts, valid_cols=n if glu is not None and n % tn else 0,
         masked_store=not interpret)
     fmt = quant_formats.weight_format(weight_format)
     cost = pl.CostEstimate(
@@ -690,7 +723,8 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32),
                             pltpu.VMEM((8, 128) if fp8_sliced or mxfp4_stacked
                                        else (tn, tkw), lhs.dtype)]
-            + ([pltpu.VMEM((scales.shape[1], tn), jnp.float32)] if fp8_sliced else
+            + ([pltpu.VMEM((scales.shape[1] if fp8_scales_transposed else -(-scales.shape[2] // 8) * 8, tn),
+                           jnp.float32)] if fp8_sliced else
                [pltpu.VMEM((-(-(tk // MXFP4_BLOCK) // 8) * 8, tn), jnp.float32)] if mxfp4_stacked else
                [pltpu.VMEM((-(-cdiv(tn, FP8_BLOCK) // 8) * 8, tk), jnp.float32)] if weight_format == "fp8" else [])
             + (prefetch.scratch(values.dtype) if prefetch else []),
