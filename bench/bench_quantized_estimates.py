@@ -12,8 +12,15 @@ weights of every expert with rows, in the format: values + scales bytes,
 the better of our two-matmul and fused kernels (the experts program's
 rule picks the fused one where it applies).
 
+Peers (``--peers int8 fp8 mxfp4``, or ``"tpu-inference-gmm int8"`` in
+``--formats``): tpu-inference 0.32.0's grouped matmul on the same format
+(``tpu_inference_peers.quantized_gmm_fn``: its ``gmm`` with ``rhs_scale``, at
+the tiles it picks itself), the same layer, compared with our own format's
+roofline; the table adds ``ours / tpu-inference`` per format.
+
     python bench/bench_quantized_estimates.py [--chips v6e] [--models ...] [--tokens 1 8 64 512 4096]
-        [--formats bf16 int8 fp8 mxfp4] [--out bench/results/tpu_estimates_quantized.md] [--from-logs LOG]
+        [--formats bf16 int8 fp8 mxfp4] [--peers int8 fp8 mxfp4]
+        [--out bench/results/tpu_estimates_quantized.md] [--from-logs LOG]
 
 Progress lines go to stderr (``--from-logs`` rebuilds the tables from them).
 """
@@ -28,6 +35,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import tpu_estimator  # noqa: E402  (sets libtpu's dump folder before jax loads libtpu)
+import tpu_inference_peers  # noqa: E402  (tpu-inference 0.32.0's gmm on quantized weights)
 from bench_tpu_estimates import MODELS, contender_fn, routing_group_sizes  # noqa: E402
 from common import ROOT, calibration_summary, markdown, use_shipped_packages  # noqa: E402
 
@@ -88,8 +96,32 @@ def layer_args(fmt_name: str, model: str, tokens: int, gs):
     return args + [gs]
 
 
+def peer_format(contender: str) -> str | None:
+    """``"tpu-inference-gmm fp8"`` -> ``"fp8"``; our own contenders -> None."""
+    prefix = tpu_inference_peers.QUANTIZED_PREFIX
+    return contender[len(prefix):] if contender.startswith(prefix) else None
+
+
+def estimate_peer(chip: str, model: str, tokens: int, fmt_name: str) -> tuple[float, float]:
+    """tpu-inference's gmm on ``fmt_name``'s weights, the same layer (the gate
+    between its two calls, as ``bench_tpu_estimates``' bf16 tpu-inference-gmm),
+    against our format's roofline: the same problem, whatever it pads."""
+    from moe_experts_tpu.experts.gates import apply_gate
+    import jax.numpy as jnp
+
+    hidden, inter, experts, top_k, gate = MODELS[model]
+    gs, flops, min_bytes = problem(model, tokens, fmt_name)
+    fn = tpu_inference_peers.quantized_gmm_fn(lambda h: apply_gate(h, gate, 1.702, 7.0).astype(jnp.bfloat16))
+    args = tpu_inference_peers.quantized_gmm_args(fmt_name, tokens * top_k, hidden, inter, experts, gs)
+    est = tpu_estimator.estimate(fn, args, chip, flops=flops, min_bytes=min_bytes)
+    return est.seconds, est.roofline_s
+
+
 def estimate_one(chip: str, model: str, tokens: int, contender: str) -> tuple[float, float]:
-    """(estimated seconds, roofline seconds) of one contender: a format, or "bf16 fused"."""
+    """(estimated seconds, roofline seconds) of one contender: a format, "bf16
+    fused", or a peer on a format ("tpu-inference-gmm int8")."""
+    if peer_format(contender):
+        return estimate_peer(chip, model, tokens, peer_format(contender))
     fmt_name, fused = contender.split()[0], contender.endswith("fused")
     gs, flops, min_bytes = problem(model, tokens, fmt_name)
     fn = layer_fn(fmt_name, MODELS[model][4], chip, fused)
@@ -98,10 +130,15 @@ def estimate_one(chip: str, model: str, tokens: int, contender: str) -> tuple[fl
     return est.seconds, est.roofline_s
 
 
-_LINE = re.compile(r"^\[(\S+)\] (\S+) (\d+) (bf16 fused|\S+): ([\d.]+) us \(roofline ([\d.]+) us")
+_NAME = r"(bf16 fused|tpu-inference-gmm \S+|\S+)"
+_LINE = re.compile(r"^\[(\S+)\] (\S+) (\d+) " + _NAME + r": ([\d.]+) us \(roofline ([\d.]+) us")
+_FAILED = re.compile(r"^\[(\S+)\] (\S+) (\d+) " + _NAME + r": ([A-Za-z_.]+: .*)$")
 
 
 def parse_logs(paths) -> dict:
+    """{(chip, model, tokens): {contender: (seconds, roofline seconds)}} from
+    the progress lines; a peer's failure is kept as its error text (the
+    table says why it has no time), ours are left out as before."""
     out: dict = {}
     for path in paths:
         for line in pathlib.Path(path).read_text().splitlines():
@@ -109,6 +146,9 @@ def parse_logs(paths) -> dict:
             if m:
                 chip, model, tokens, name, t, r = m.groups()
                 out.setdefault((chip, model, int(tokens)), {})[name] = (float(t) * 1e-6, float(r) * 1e-6)
+            elif (m := _FAILED.match(line)) and peer_format(m.group(4)):
+                chip, model, tokens, name, error = m.groups()
+                out.setdefault((chip, model, int(tokens)), {})[name] = error
     return out
 
 
@@ -124,8 +164,11 @@ def run(args) -> dict:
                     try:
                         cell[name] = estimate_one(chip, model, tokens, name)
                     except Exception as exc:  # noqa: BLE001 -- reported in the table
-                        print(f"[{chip}] {model} {tokens} {name}: {type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0][:200]}", file=sys.stderr, flush=True)
+                        first = str(exc).splitlines()[0][:200] if str(exc) else ""
+                        print(f"[{chip}] {model} {tokens} {name}: {type(exc).__name__}: {first}",
+                              file=sys.stderr, flush=True)
+                        if peer_format(name):
+                            cell[name] = f"{type(exc).__name__}: {first}"
                         continue
                     t, r = cell[name]
                     print(f"[{chip}] {model} {tokens} {name}: {t * 1e6:.1f} us (roofline {r * 1e6:.1f} us, "
@@ -133,18 +176,33 @@ def run(args) -> dict:
     return results
 
 
-def table(chip: str, results: dict, models, tokens_list, formats) -> str:
-    rows = []
+def _short_error(error: str) -> str:
+    """A peer's failure in a few words (the whole text goes to the notes)."""
+    for needle, reason in (*tpu_inference_peers.SHORT_REASONS, ("CompileTimeHbmOom", "weights exceed HBM"),
+                           ("Bad lhs/rhs type", "Mosaic: no bf16 x e2m1 matmul on this chip"),
+                           ("Conversion to 4-bit not supported", "Mosaic: no cast to 4 bits before TPU7x")):
+        if needle in error:
+            return reason
+    return "fails: " + error.split(":")[0]
+
+
+def table(chip: str, results: dict, models, tokens_list, formats, peers=()) -> str:
+    """The chip's table; ``peers``: the formats whose tpu-inference-gmm
+    contender was asked for (columns ``ours / tpu-inference`` and its time,
+    its tiles and failures in the notes below)."""
+    rows, notes, failures = [], [], {}
     for model in models:
         for tokens in tokens_list:
             cell = results.get((chip, model, tokens))
             if not cell:
                 continue
+            cell = dict(cell)
+            failed = {n: cell.pop(n) for n in list(cell) if isinstance(cell[n], str)}
             bf16 = [cell[n][0] for n in ("bf16", "bf16 fused") if n in cell]
             best_bf16 = min(bf16) if bf16 else None
             row = {"model": model, "tokens": tokens,
                    "bf16 us (best of ours)": f"{best_bf16 * 1e6:.1f}" if best_bf16 else "-"}
-            for fmt_name in [f for f in formats if not f.startswith("bf16")]:
+            for fmt_name in [f for f in formats if not f.startswith("bf16") and not peer_format(f)]:
                 if fmt_name not in cell:
                     row[f"{fmt_name} us"] = row[f"{fmt_name} speed-up"] = row[f"{fmt_name} / roofline"] = "-"
                     continue
@@ -154,8 +212,37 @@ def table(chip: str, results: dict, models, tokens_list, formats) -> str:
                 row[f"{fmt_name} / roofline"] = f"{t / r:.2f}"
             if "bf16" in cell:
                 row["bf16 / roofline"] = f"{best_bf16 / cell['bf16'][1]:.2f}"
+            for fmt_name in peers:
+                peer = tpu_inference_peers.QUANTIZED_PREFIX + fmt_name
+                ours = cell.get(fmt_name)
+                if peer in cell:
+                    t = cell[peer][0]
+                    row[f"tpu-inference {fmt_name} us"] = f"{t * 1e6:.1f}"
+                    row[f"{fmt_name} ours / tpu-inference"] = f"{ours[0] / t:.2f}" if ours else "-"
+                    hidden, inter, experts, top_k, _ = MODELS[model]
+                    config = tpu_inference_peers.quantized_gmm_config(fmt_name, tokens * top_k, hidden, inter,
+                                                                      experts)
+                    notes.append(f"{model} {tokens} {fmt_name}: tpu-inference-gmm tiles {config}")
+                else:
+                    row[f"tpu-inference {fmt_name} us"] = _short_error(failed[peer]) if peer in failed else "-"
+                    row[f"{fmt_name} ours / tpu-inference"] = "-"
+                    if peer in failed:  # each reason once, with the shapes it hit
+                        failures.setdefault((fmt_name, _short_error(failed[peer])), [failed[peer], []])[1].append(
+                            f"{model} {tokens}")
             rows.append(row)
-    return markdown(rows)
+    for (fmt_name, _), (error, shapes) in failures.items():
+        notes.append(f"{fmt_name}: tpu-inference-gmm fails at {', '.join(shapes)}: {error}")
+    text = markdown(rows)
+    if notes:
+        text += "\n\n" + "\n".join(f"- {n}" for n in notes)
+    return text
+
+
+def peer_formats(args) -> list[str]:
+    """The formats whose tpu-inference-gmm runs: ``--peers``, and peers named
+    in ``--formats``."""
+    named = [peer_format(f) for f in args.formats if peer_format(f)]
+    return list(dict.fromkeys([*(args.peers or []), *named]))
 
 
 def main(argv=None):
@@ -164,19 +251,25 @@ def main(argv=None):
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64, 512, 4096])
     ap.add_argument("--formats", nargs="+", default=["bf16", "bf16 fused", "int8", "fp8", "mxfp4"])
+    ap.add_argument("--peers", nargs="*", default=[], choices=sorted(tpu_inference_peers.QUANTIZED_GMM),
+                    help="formats to run tpu-inference's quantized gmm on (after ours)")
     ap.add_argument("--out", default=str(RESULTS / "tpu_estimates_quantized.md"))
     ap.add_argument("--from-logs", nargs="+", default=None)
     args = ap.parse_args(argv)
+    peers = peer_formats(args)
+    args.formats = [f for f in args.formats if not peer_format(f)] + [tpu_inference_peers.QUANTIZED_PREFIX + f
+                                                                       for f in peers]
     results = parse_logs(args.from_logs) if args.from_logs else run(args)
     sections = []
     for chip in args.chips:
         sections.append(f"## {chip} ({tpu_estimator.CHIPS[chip].topology})\n\n"
                         f"Estimator error on this chip: {calibration_summary(chip, 'ragged dot')}.\n\n"
-                        + table(chip, results, args.models, args.tokens, args.formats))
+                        + table(chip, results, args.models, args.tokens, args.formats, peers))
     text = ("# Quantized expert weights: estimated layer time (TPU estimator)\n\n"
             "Generated by `python bench/bench_quantized_estimates.py` (see its docstring). Each format's "
             "speed-up is against the best of our bf16 kernels (two matmuls or fused); `/ roofline` is "
-            "against the format's own roofline (values + scales bytes).\n\n" + "\n\n".join(sections) + "\n")
+            "against the format's own roofline (values + scales bytes).\n\n"
+            + tpu_inference_peers.quantized_table_note(peers) + "\n\n".join(sections) + "\n")
     pathlib.Path(args.out).write_text(text)
     print(text)
 

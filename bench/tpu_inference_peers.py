@@ -103,13 +103,16 @@ def load(module: str) -> types.ModuleType:
 # ----------------------------------------------------------------------------
 
 
-def gmm_tiling(m: int, k: int, n: int, experts: int, dtype: str = "bfloat16") -> tuple[int, int, int]:
+def gmm_tiling(m: int, k: int, n: int, experts: int, dtype: str = "bfloat16",
+               rhs_dtype: str | None = None) -> tuple[int, int, int]:
     """The (tm, tk, tn) tpu-inference's gmm runs ``[m, k] @ [E, k, n]`` with
     when called without a tiling (as its ``gmm`` does: bf16 weights, one
-    shard holding every expert)."""
+    shard holding every expert). ``rhs_dtype``: the weights' dtype where it
+    differs from the rows' (quantized weights: part of its table's key; its
+    ``gmm`` always looks up with the whole K as the quantization block)."""
     tuned = load("kernels.megablox.tuned_block_sizes")
     return tuple(tuned.get_tuned_block_sizes(m=m, k=k, n=n, num_total_groups=experts, num_current_groups=experts,
-                                             lhs_dtype=dtype, rhs_dtype=dtype, quant_block_size=k))
+                                             lhs_dtype=dtype, rhs_dtype=rhs_dtype or dtype, quant_block_size=k))
 
 
 def gmm_fn(act):
@@ -131,6 +134,113 @@ def gmm_config(rows: int, hidden: int, inter: int, experts: int) -> str:
     up = gmm_tiling(rows, hidden, 2 * inter, experts)
     down = gmm_tiling(rows, inter, hidden, experts)
     return f"up {','.join(map(str, up))} / down {','.join(map(str, down))}"
+
+
+# ----------------------------------------------------------------------------
+# tpu-inference gmm on quantized weights (rhs_scale)
+# ----------------------------------------------------------------------------
+
+# Our formats (``common.quant_formats``) as its gmm takes them: the weights'
+# dtype, and the quantization block along K (None: the whole K, one scale per
+# output channel). Its ``rhs_scale [E, K / block, 1, N]`` has one scale per
+# (K block, output column), so fp8's 128 x 128 block scale is repeated over the
+# block's 128 columns (the same products), and mxfp4's e8m0 exponents become
+# f32 scales (the dtype its ``quantize_tensor`` gives every scale; e2m1 values
+# with f32 scales per 32 K values is what its own mxfp4 path computes, there
+# requantized to blocks of 512 and run by tokamax's gmm_v2 instead).
+QUANTIZED_GMM = {"int8": ("int8", None), "fp8": ("float8_e4m3fn", 128), "mxfp4": ("float4_e2m1fn", 32)}
+QUANTIZED_PREFIX = "tpu-inference-gmm "  # + a format: "tpu-inference-gmm fp8"
+
+
+def quantized_dims(fmt: str, hidden: int, inter: int) -> tuple[int, int]:
+    """(hidden, intermediate) the weights have in its layout: its
+    ``quantize_moe_weights`` pads both to a multiple of the block before
+    quantizing (gpt-oss-20b in fp8: 2880 -> 2944; per channel: unpadded)."""
+    block = QUANTIZED_GMM[fmt][1]
+    return (hidden, inter) if block is None else (_align(hidden, block), _align(inter, block))
+
+
+def quantized_gmm_tiling(fmt: str, m: int, k: int, n: int, experts: int) -> tuple[int, int, int]:
+    """The (tm, tk, tn) its gmm runs on ``[m, k] @ [E, k, n]`` in ``fmt``: its
+    pick without a tiling (``gmm_tiling`` with the weights' dtype), then its
+    own fix-up: tk becomes the quantization block when neither divides the
+    other."""
+    rhs_dtype, block = QUANTIZED_GMM[fmt]
+    tm, tk, tn = gmm_tiling(m, k, n, experts, rhs_dtype=rhs_dtype)
+    block = block or k
+    if tk % block and block % tk:
+        tk = block
+    return tm, tk, tn
+
+
+def quantized_gmm_fn(act):
+    """``down(act(up(x)))`` by its gmm with ``rhs_scale`` (and no bias), at
+    the tiling it picks itself; f32 out as ``gmm_fn``."""
+    import jax.numpy as jnp
+
+    gmm = load("kernels.megablox.gmm").gmm
+
+    def fn(x, up, up_s, down, down_s, gs):
+        h = gmm(x, up, gs, preferred_element_type=jnp.float32, rhs_scale=up_s)
+        return gmm(act(h), down, gs, preferred_element_type=jnp.float32, rhs_scale=down_s)
+
+    return fn
+
+
+def quantized_gmm_args(fmt: str, rows: int, hidden: int, inter: int, experts: int, gs) -> list:
+    """``quantized_gmm_fn``'s arguments: rows ``[rows, H]`` bf16, weights
+    ``[E, in, out]`` in the format's dtype, scales ``[E, in / block, 1, out]``
+    f32, on the padded sizes of ``quantized_dims``."""
+    import jax
+    import jax.numpy as jnp
+
+    rhs_dtype, block = QUANTIZED_GMM[fmt]
+    hidden, inter = quantized_dims(fmt, hidden, inter)
+    args = [jax.ShapeDtypeStruct((rows, hidden), jnp.bfloat16)]
+    for k, n in ((hidden, 2 * inter), (inter, hidden)):
+        args += [jax.ShapeDtypeStruct((experts, k, n), jnp.dtype(rhs_dtype)),
+                 jax.ShapeDtypeStruct((experts, k // (block or k), 1, n), jnp.float32)]
+    return args + [gs]
+
+
+def quantized_gmm_config(fmt: str, rows: int, hidden: int, inter: int, experts: int) -> str:
+    """``up 128,2048,1536 / down 128,768,2048`` (+ the padded sizes where the
+    format pads them)."""
+    h, f = quantized_dims(fmt, hidden, inter)
+    up = quantized_gmm_tiling(fmt, rows, h, 2 * f, experts)
+    down = quantized_gmm_tiling(fmt, rows, f, h, experts)
+    padded = f" (H, F padded to {h}, {f})" if (h, f) != (hidden, inter) else ""
+    return f"up {','.join(map(str, up))} / down {','.join(map(str, down))}{padded}"
+
+
+def quantized_table_note(formats) -> str:
+    """What the quantized tpu-inference-gmm contenders of a table run."""
+    if not formats:
+        return ""
+    return (
+        "tpu-inference-gmm (quantized): tpu-inference 0.32.0's `kernels/megablox/gmm.py` twice (up, gate, "
+        "down; f32 out) with `rhs_scale`, at the tiles it picks itself when given none (its tuned table, "
+        "whose only quantized entries are fp8 shapes of a 160-expert model, so here its heuristic "
+        "`get_default_gmm_block_sizes` as for bf16, looked up with the weights' dtype; then tk = the "
+        "quantization block where neither divides the other); tiles in the notes. Its gmm takes bf16 "
+        "rows and int8, fp8 (e4m3 / e5m2), int4 / uint4 or e2m1 weights with f32 scales "
+        "`[E, K / block, 1, N]`: one scale per (K block, output column); per K block it runs a separate dot "
+        "of the block's K columns and scales the f32 partial product. int8: scales `[E, 1, 1, N]` (per "
+        "output channel, as ours). fp8: `[E, K / 128, 1, N]`, our 128 x 128 block scale repeated over "
+        "the block's 128 columns (same products, 128x our scale bytes); hidden and intermediate padded to "
+        "multiples of 128 as its `quantize_moe_weights` pads them (gpt-oss-20b: 2880 -> 2944; "
+        "gemma-4-26b-a4b: intermediate 704 -> 768). mxfp4: e2m1 "
+        "weights with f32 scales `[E, K / 32, 1, N]` (our e8m0 exponents as f32, 4x our scale bytes): "
+        "the same format, but not a path tpu-inference serves (its mxfp4 layer requantizes to e2m1 "
+        "blocks of 512 and runs tokamax's gmm_v2, not estimated: see the bf16 table). On v5e and v6e it "
+        "does not compile: Mosaic has no bf16 x e2m1 matmul there (its gmm hands the e2m1 tile to the dot as "
+        "it is), and where tk does not divide K (gpt-oss-20b) its K-remainder mask casts the weights through "
+        "f32 back to e2m1, a cast Mosaic supports only from TPU7x on; it compiles on tpu7x. Its MoE layer "
+        "that calls this gmm with scales (`layers/jax/moe`, USE_UNFUSED_MEGABLOCKS; qwix-quantized "
+        "weights) passes its own tiles instead (tm = rows rounded up to 128 at most 512, rows padded to "
+        "tm; tk, tn as here) and runs gate and up as two calls; not what is estimated here. "
+        "`ours / tpu-inference`: our time over its time (< 1: ours is faster). Both against our "
+        "format's roofline bytes.\n\n")
 
 
 # ----------------------------------------------------------------------------

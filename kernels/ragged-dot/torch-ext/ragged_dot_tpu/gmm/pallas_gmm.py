@@ -445,13 +445,19 @@ def _gmm_kernel(
 
     def columns():
         """The visit's expert's per-column vectors (int8 scales, then biases),
-        ``[1, tn]`` f32 each: read once per step, not per row chunk (picking a
-        row of a block of experts costs a few vector ops per 128 columns)."""
+        ``[1, tn]`` f32 each. Picked from a block of experts once per step
+        (a few vector ops per 128 columns); read as views per row chunk, as
+        ``finish`` does with ``cols`` None (held across the chunks, estimated
+        v6e Mixtral-8x7B int8 4096 tokens 3874 -> 3896 us)."""
         experts = column_experts or (0,) * len(column_refs)
         return [expert_column(r, e, group_ref[v]) for r, e in zip(column_refs, experts)]
 
+    def step_columns():
+        return columns() if column_experts else None
+
     def finish(products, cols):
         """The stored value: the product, or the gate applied to both halves' products."""
+        cols = columns() if cols is None else cols
         scales, biases = cols[:len(scale_refs)], cols[len(scale_refs):]
         # int8 weights: the f32 product times each output column's scale (exact products)
         products = [p * sc for p, sc in zip(products, scales)] or products
@@ -470,7 +476,7 @@ def _gmm_kernel(
         # every row of a tile belongs to exactly one visit's segment, and a
         # visit writes only its own rows (a masked store), so the block is
         # whole when the tile's last visit ends.
-        cols = columns()
+        cols = step_columns()
         for size, first, live in visit_chunks():
 
             @pl.when(is_local & live)
@@ -519,7 +525,7 @@ def _gmm_kernel(
 
     @pl.when((k_i == tiles_k - 1) & is_local)
     def _store():
-        cols = columns()
+        cols = step_columns()
         if not gated_chunks:
             store_visit_rows(out_ref, finish([acc_ref[...] for acc_ref in acc_refs], cols), v, tile_ref, tm, start,
                              end)

@@ -545,13 +545,14 @@ def _qgmm_kernel(
         pl.when(k_i == tiles_k - 1)(lambda: store_visit_rows(out_ref, acc_ref[...], v, tile_ref, tm, start, end))
         return
 
-    # The visit's expert's bias, read once per step (not per row chunk).
-    bias = expert_column(bias_ref, bias_experts, group_ref[v]) if bias_ref is not None else None
+    # The visit's expert's bias: picked from a block of experts once per step,
+    # a view's row read per chunk (as pallas_gmm's per-column vectors).
+    step_bias = expert_column(bias_ref, bias_experts, group_ref[v]) if bias_ref is not None and bias_experts else None
 
     def store_gated_chunk(c, rows):
         value = acc_ref[rows, :]
-        if bias is not None:
-            value = value + bias
+        if bias_ref is not None:
+            value = value + (step_bias if step_bias is not None else expert_column(bias_ref, 0, group_ref[v]))
         if glu_halves == "concatenated":  # the step's tile holds both whole halves
             half_width = value.shape[1] // 2
             gated = glu(value[:, :half_width], value[:, half_width:])
