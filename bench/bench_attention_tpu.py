@@ -129,6 +129,10 @@ CASES = [
          32768, 128, 0),
     Case("llama3-spec4-8k-3k", "llama3-8b decode of 4 tokens, batch 8, 8k cache, 3k filled", 8, 32, 8, 4, 8192,
          3000, 128, 0),
+    # The decode goal's ends: batch 64 (a short cache), a 128k cache (one sequence, partly filled).
+    Case("llama3-decode-b64-4k", "llama3-8b decode, batch 64, 4k cache full", 64, 32, 8, 1, 4096, 4096, 128, 0),
+    Case("llama3-decode-128k-100k", "llama3-8b decode, batch 1, 128k cache, 100k filled", 1, 32, 8, 1, 131072,
+         100000, 128, 0),
 ]
 CASE_BY_KEY = {c.key: c for c in CASES}
 

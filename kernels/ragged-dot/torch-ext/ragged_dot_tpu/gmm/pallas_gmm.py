@@ -445,10 +445,11 @@ def _gmm_kernel(
 
     def columns():
         """The visit's expert's per-column vectors (int8 scales, then biases),
-        ``[1, tn]`` f32 each. Picked from a block of experts once per step
-        (a few vector ops per 128 columns); read as views per row chunk, as
-        ``finish`` does with ``cols`` None (held across the chunks, estimated
-        v6e Mixtral-8x7B int8 4096 tokens 3874 -> 3896 us)."""
+        ``[1, tn]`` f32 each. ``step_columns`` picks them from blocks of
+        experts once per step (a few vector ops per 128 columns); views are
+        read per row chunk instead (``finish`` with ``cols`` None: holding
+        them across the chunks cost, estimated v6e, Mixtral-8x7B int8 4096
+        tokens 3874 -> 3896 us)."""
         experts = column_experts or (0,) * len(column_refs)
         return [expert_column(r, e, group_ref[v]) for r, e in zip(column_refs, experts)]
 
