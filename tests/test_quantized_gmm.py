@@ -280,7 +280,8 @@ def test_column_vectors_in_place_rule():
     assert rule(256, 128, 256, False, m=64, num_local=18)  # interleaved halves: 256-column tiles
     assert rule(200, 200, 200, False, m=64, num_local=18)  # the whole (unaligned) width
     assert not rule(400, 200, 200, False, m=64, num_local=18)
-    assert (pallas_gmm.expert_rows(jnp.float32), pallas_gmm.expert_rows(jnp.bfloat16)) == (8, 16)
+    assert [pallas_gmm.experts_per_block(18, d) for d in (jnp.float32, jnp.bfloat16)] == [8, 16]
+    assert pallas_gmm.experts_per_block(5, jnp.bfloat16) == 5  # fewer experts: the whole (full-dim) block
 
 
 @pytest.mark.parametrize("fmt_name,case", ALL_GATED_CASES,

@@ -341,8 +341,8 @@ keys reads 3008 keys, not 3072: v5e 124 -> 121.3 us (1.01), v6e 61.9 -> 60.7
 (1.01), tpu7x 27.7 -> 27.2 (1.02); ragged paged attention v3 122.1 / 61.8 /
 31.7. Where the chunk is the tradeoff: every chip is HBM-bound at 1024 keys,
 and longer chunks only read more of a partly filled cache (3k of 8k, before
-the partial copies: 3072 keys read at 1024, 4096 at 2048). On tpu7x (2.25x v6e's HBM bandwidth per core)
-the copies leave the least slack: at 1024 keys the chunk loop computes for
+the partial copies: 3072 keys read at 1024, 4096 at 2048). On tpu7x (2.25x
+v6e's HBM bandwidth per core) the copies leave the least slack: at 1024 keys the chunk loop computes for
 213 of the full cache's 292 us; at 512, for 276 (292 us, 3k of 8k 28.2 as at
 1024), too close to the copies to be worth the few keys it saves. Before the
 heads' scores came first, tpu7x computed slower than 1024-key copies arrive

@@ -11,8 +11,8 @@ itself in ``chunk``-key pieces (``blocks.choose_decode_chunk``: v5e, v6e, tpu7x)
 buffered, only the chunks some row sees (per batch row the first and last,
 ``key_ranges.decode_chunk_spans``), the last one only up to the last key
 some row sees (and at most 15 keys past it, in bf16); a loop iteration costs
-far less than a grid step. Those spans and the rows' ranges are all the XLA work around the kernel besides q's and
-the output's relayouts (estimated 0.3-0.4 us of XLA ops, against 0.8-1.0
+far less than a grid step. Those spans and the rows' ranges are all the XLA
+work around the kernel besides q's and the output's relayouts (estimated 0.3-0.4 us of XLA ops, against 0.8-1.0
 with the grid kernel's visit table and rule fit: Llama-3-8B decode, batch
 8, 2k of a 32k cache, tpu7x 19.1 -> 18.6 us, v6e 42.0 -> 41.4).
 
@@ -55,7 +55,7 @@ starts at ``min(c * chunk, Skv - chunk)`` so that it never reads past the
 cache (the last chunk of a cache that is not a multiple of ``chunk`` overlaps
 the one before; keys below ``c * chunk`` are masked, so none counts twice).
 A copy stops at the end of the keys any row of the batch row sees (the
-spans' third column), rounded up to a whole HBM tile (``hbm_tile_rows``: 16
+spans' third column), rounded up to a whole HBM tile (``tile_math.sublane``: 16
 keys in bf16): a partly filled cache reads at most 15 keys past its last
 (Llama-3-8B decode, batch 8, 3000 of an 8k cache, estimated: v5e 123.7 ->
 121.3 us, v6e 61.9 -> 60.7, against ragged paged attention v3's 122.1 / 61.8,
@@ -86,17 +86,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ..common.pallas_helpers import as_kernel_operand, compiler_params, kernel_dtype, load, out_struct
+from ..common.tile_math import sublane
 from . import key_ranges as kr
 from .softmax_tiles import STAT_LANES, finished_rows, online_softmax_step, tile_scores
 
 COPY_ALIGN = 128  # chunk copies start on whole (16, 128) / (8, 128) HBM tiles
 HEADS_PER_GROUP = 8  # KV heads whose scores a chunk computes before their softmax steps
-
-
-def hbm_tile_rows(dtype) -> int:
-    """Rows of one (rows, 128) HBM tile of ``dtype``: 8 for 32 bits, 16 for 16
-    (two rows packed per sublane), 32 for 8; a copy's length rounds up to it."""
-    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
 
 
 def _decode_kernel(spans_ref, q_ref, bounds_ref, k_hbm, v_hbm, o_ref, lse_ref, k_buf, v_buf, sems, m_ref, l_ref,
@@ -128,7 +123,8 @@ def _decode_kernel(spans_ref, q_ref, bounds_ref, k_hbm, v_hbm, o_ref, lse_ref, k
     def copies(i, slot):  # chunk i of this split, every KV head at once, up to the end any row sees
         start = copy_start(own_first + i)
         rows = lax.div(jnp.clip(end - start, 0, chunk) + row_tile - 1, jnp.int32(row_tile)) * row_tile
-        src, dst = pl.ds(start, pl.multiple_of(rows, row_tile)), pl.ds(0, pl.multiple_of(rows, row_tile))
+        rows = pl.multiple_of(rows, row_tile)
+        src, dst = pl.ds(start, rows), pl.ds(0, rows)
         return (pltpu.make_async_copy(k_hbm.at[b, :, src], k_buf.at[slot, :, dst], sems.at[0, slot]),
                 pltpu.make_async_copy(v_hbm.at[b, :, src], v_buf.at[slot, :, dst], sems.at[1, slot]))
 
@@ -203,7 +199,7 @@ def decode_attention_with_lse(q, k, v, bounds, spans, *, chunk: int, splits: int
                          f"{skv} keys, themselves a multiple of {COPY_ALIGN}")
     out_dtype = kernel_dtype(q.dtype) if splits == 1 else jnp.float32
     q_bits, k_bits, v_bits = map(as_kernel_operand, (q, k, v))
-    row_tile = max(hbm_tile_rows(k_bits.dtype), hbm_tile_rows(v_bits.dtype))
+    row_tile = max(sublane(k_bits.dtype.itemsize), sublane(v_bits.dtype.itemsize))  # a copy's length rounds up to it
     kernel = functools.partial(_decode_kernel, chunk=chunk, skv=skv, heads=hkv, splits=splits,
                                softcap=float(softcap), scale=float(scale), row_tile=row_tile)
     out, lse = pl.pallas_call(

@@ -352,17 +352,26 @@ def _rhs_spec(half: int | None, rhs_layout: str, tn_rhs: int, tk: int) -> pl.Blo
                         lambda n_i, v, k_i, seg, tile, starts, ends, group, *_: (group[v], k_i, n_i))
 
 
-def expert_rows(dtype) -> int:
+def experts_per_block(num_local: int, dtype) -> int:
     """Experts' rows in one block of a per-column vector (``[G, N]``: int8
-    scales, gate biases) read in its own layout: a whole (8, 128) tile of 32
-    bits, (16, 128) of 16."""
-    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+    scales, gate biases) read in its own layout: a whole native tile of
+    ``dtype`` (``tile_math.sublane``), or every expert when fewer."""
+    return min(num_local, sublane(jnp.dtype(dtype).itemsize))
+
+
+def column_vector_block(num_local: int, dtype, tile_cols: int, column_tile=lambda n_i: n_i):
+    """``(spec, experts)``: the block of a ``[G, N]`` per-column vector read in
+    its own layout, ``experts_per_block`` experts' rows holding the visit's
+    expert, at column tile ``column_tile(n_i)`` (``expert_column`` picks the row)."""
+    experts = experts_per_block(num_local, dtype)
+    return pl.BlockSpec((experts, tile_cols), lambda n_i, v, k_i, seg, tile, starts, ends, group, *_:
+                        (lax.div(group[v], experts), column_tile(n_i))), experts
 
 
 def expert_column(ref, experts: int, group):
     """``[1, tn]`` f32: expert ``group``'s row of a per-column vector's block,
     ``[1, tn]`` already (``experts`` 0: a ``[G, 1, N]`` view) or the
-    ``[experts, tn]`` block of its own layout holding it (``expert_rows``)."""
+    ``[experts, tn]`` block of its own layout holding it (``experts_per_block``)."""
     block = ref[...].astype(jnp.float32)
     if not experts:
         return block
@@ -688,12 +697,12 @@ def gmm(
         # visit's row picked in the kernel: the [G, .., 1, N] views below cost
         # an XLA relayout before every call (COLUMNS_IN_PLACE_MAX_ROWS_PER_GROUP).
         for x in column_vectors:
-            experts = min(num_local, expert_rows(x.dtype))
-            operands += [x] * len(halves)
-            column_experts += (experts,) * len(halves)
-            column_specs += [pl.BlockSpec(
-                (experts, tile_cols), lambda n_i, v, k_i, seg, tile, starts, ends, group, *_, h=h, e=experts:
-                (lax.div(group[v], e), n_i if h is None else h * (n // tn) + n_i)) for h in halves]
+            for h in halves:
+                spec, experts = column_vector_block(  # half h's tile j: column tile h * I / tn + j
+                    num_local, x.dtype, tile_cols, lambda n_i, h=h: n_i if h is None else h * (n // tn) + n_i)
+                operands.append(x)
+                column_specs.append(spec)
+                column_experts += (experts,)
     else:
         for x in column_vectors:
             operands += ([x.reshape(num_local, 2, 1, n)] * 2 if concatenated

@@ -120,7 +120,7 @@ from ..common.pallas_helpers import compiler_params, dot_f32, out_struct, zero_p
 from ..common.tile_math import cdiv
 from . import quantized, tiling as tiling_lib
 from .pallas_gmm import (WeightBlock, WeightPrefetch, gate_interleaved, check_glu_args, column_tiles_in_place,
-                         expert_column, expert_rows, forward_visits, prefetches_weights, store_chunk_rows,
+                         column_vector_block, expert_column, forward_visits, prefetches_weights, store_chunk_rows,
                          store_visit_rows, weight_runs)
 
 DECODED_FORMATS = ("fp8", "mxfp4")
@@ -679,10 +679,8 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
     bias_specs, biases, bias_experts = [], [], 0
     if glu_bias is not None:  # the values tile's columns of its group's bias
         if column_tiles_in_place(n, tn, tn, False, m, num_local):  # its own layout (pallas_gmm's column vectors)
-            bias_experts = min(num_local, expert_rows(glu_bias.dtype))
-            biases = [glu_bias]
-            bias_specs = [pl.BlockSpec((bias_experts, tn), lambda n_i, v, k_i, s, tl, a, b, g, *_, e=bias_experts:
-                                       (lax.div(g[v], e), n_i))]
+            spec, bias_experts = column_vector_block(num_local, glu_bias.dtype, tn)
+            biases, bias_specs = [glu_bias], [spec]
         else:
             biases = [glu_bias.reshape(num_local, 1, n)]
             bias_specs = [pl.BlockSpec((pl.Squeezed(), 1, tn), lambda n_i, v, k_i, s, tl, a, b, g, *_: (g[v], 0, n_i))]
