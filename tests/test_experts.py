@@ -227,6 +227,80 @@ def test_fused_program_both_matmul_paths_match_eager(fused_kernel):
     torch.testing.assert_close(torch.from_numpy(np.array(got)), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind,fused_kernel", [("qwen3_moe", True), ("qwen3_moe", False), ("gpt_oss", False)])
+def test_group_aligned_rows_match_eager(kind, fused_kernel):
+    """The program with each expert's rows aligned to 16 (the prefill layout,
+    ``program.AlignedRows``), interpret mode: an empty expert, a remote pick,
+    groups of 1 to 16 rows and more; gpt-oss's biases and interleaved gate."""
+    import jax.numpy as jnp
+
+    from moe_experts_tpu.common import pallas_helpers
+    from moe_experts_tpu.experts import program
+
+    experts = _model(kind, "eager").model.layers[0].mlp.experts
+    num_experts, tokens = experts.num_experts, 23
+    gen = torch.Generator().manual_seed(12)
+    hidden = torch.randn(tokens, 64, generator=gen)
+    index = torch.stack([torch.randperm(num_experts - 1, generator=gen)[:2] for _ in range(tokens)])  # last: empty
+    index[:12, 0] = 0  # one group of 12+ rows
+    index[3, 1] = num_experts  # a remote (expert-parallel) pick
+    weights = torch.rand(tokens, 2, generator=gen)
+    params = [module_layout.up_weight(experts), experts.down_proj, module_layout.up_bias(experts),
+              module_layout.down_bias(experts)]
+    gate, alpha, limit = module_layout.gate_of_module(experts)
+    with torch.no_grad():
+        want = type(experts).forward.__wrapped__(experts, hidden, index.clamp(max=num_experts - 1),
+                                                 torch.where(index == num_experts, 0.0, weights))
+        got = program.experts_forward(
+            *(None if t is None else jnp.asarray(t.detach().numpy()) for t in (hidden, index, weights, *params)),
+            gate=gate, alpha=alpha, limit=limit, rhs_layout=module_layout.rhs_layout(experts), fused=fused_kernel,
+            group_align=16, interpret=pallas_helpers.interpret_params())
+    torch.testing.assert_close(torch.from_numpy(np.array(got)), want, rtol=1e-5, atol=1e-5)
+
+
+def test_aligned_rows_layout_against_a_loop():
+    """Each group starts at a multiple of the alignment, in order, rows of
+    remote experts after the last group; sizes rounded up; every sorted row
+    at its own row, inside the static bound."""
+    import jax.numpy as jnp
+
+    from moe_experts_tpu.experts import program
+
+    rng = np.random.default_rng(3)
+    num_experts, align = 6, 8
+    ids = np.sort(rng.choice([0, 0, 1, 3, 3, 3, 5, 6], size=40)).astype(np.int32)  # 2, 4 empty; 6 remote
+    sizes = np.bincount(ids, minlength=num_experts + 1)[:num_experts].astype(np.int32)
+    layout = program.AlignedRows.of(jnp.asarray(ids), jnp.asarray(sizes), align)
+    want, row = [], 0
+    for e in range(num_experts + 1):
+        for i in range(int((ids == e).sum())):
+            want.append(row + i)
+        row += -(-int((ids == e).sum()) // align) * align
+    np.testing.assert_array_equal(np.array(layout.position), want)
+    np.testing.assert_array_equal(np.array(layout.group_sizes), -(-sizes // align) * align)
+    assert layout.rows == 40 + num_experts * (align - 1) > max(want)
+    spread = np.array(layout.spread(jnp.arange(40, dtype=jnp.int32) + 1))
+    np.testing.assert_array_equal(spread[want], np.arange(40) + 1)
+    assert (np.delete(spread, want) == 0).all() and spread.shape == (layout.rows,)
+    order = rng.permutation(40).astype(np.int32)  # sorted row i came from slot order[i]
+    slots = np.array(layout.rows_of_slots(jnp.asarray(order)))
+    np.testing.assert_array_equal(slots[order], want)
+    plain = program.AlignedRows.of(jnp.asarray(ids), jnp.asarray(sizes), 1)
+    assert plain.position is None and plain.rows == 40
+    np.testing.assert_array_equal(np.array(plain.rows_of_slots(jnp.asarray(order)))[order], np.arange(40))
+
+
+@pytest.mark.parametrize("generation,fused,rows_per_group,aligned", [
+    ("tpu7x", True, 256, True), ("tpu7x", False, 512, True), ("tpu7x", False, 1024, False),
+    ("tpu7x", True, 32, False), ("v6e", False, 512, True), ("v6e", True, 256, False), ("v5e", True, 256, False),
+    ("v4", False, 512, False)])
+def test_group_alignment_rule(generation, fused, rows_per_group, aligned):
+    from moe_experts_tpu.experts import program
+
+    align = program.group_alignment(rows_per_group * 32, 32, fused, generation)
+    assert align == (program.GROUP_ALIGN_ROWS if aligned else 1)
+
+
 @pytest.mark.parametrize("name", ["eager", "EAGER", "eager ", "grouped_mm", "Batched_MM", "", "has space", 3])
 def test_register_refuses_builtin_and_malformed_names(name):
     before = dict(ALL_EXPERTS_FUNCTIONS._global_mapping)

@@ -42,8 +42,11 @@ differs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
+from ..common import tpu_generations
 from ..gmm import pallas_gmm, pallas_qgmm
 from . import pallas_fused_experts
 from .gates import apply_gate, gate_halves, kernel_gate
@@ -67,11 +70,13 @@ def experts_forward(
     fused: bool | None = None,
     generation: str | None = None,
     out_dtype=None,
+    group_align: int | None = None,
     interpret=False,
 ):
     """``[T, H]`` in ``out_dtype`` (default: hidden_states' dtype; expert
-    parallelism asks for f32 partial sums)."""
-    num_tokens, hidden = hidden_states.shape
+    parallelism asks for f32 partial sums). ``group_align``: rows each
+    expert's group is aligned to in the sorted layout (None: the rule of
+    ``group_alignment``; 1: none)."""
     out_dtype = hidden_states.dtype if out_dtype is None else out_dtype
     top_k = top_k_index.shape[1]
     num_experts = up_weight.shape[0]
@@ -80,31 +85,105 @@ def experts_forward(
     sorted_ids = ids[order]
     group_sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[jnp.clip(ids, 0, num_experts)].add(1)
     group_sizes = group_sizes[:num_experts]
-    remote = (sorted_ids >= num_experts)[:, None]
     safe_ids = jnp.minimum(sorted_ids, num_experts - 1)
 
     if weight_format is not None:
-        return _quantized_experts(hidden_states, order, sorted_ids, group_sizes, top_k_weights, top_k,
+        return _quantized_experts(hidden_states, ids, order, sorted_ids, group_sizes, top_k_weights, top_k,
                                   up_weight, down_weight, up_bias, down_bias, up_scales, down_scales,
                                   weight_format=weight_format, gate=gate, alpha=alpha, limit=limit,
                                   rhs_layout=rhs_layout, fused=fused, generation=generation,
-                                  out_dtype=out_dtype, interpret=interpret)
+                                  out_dtype=out_dtype, interpret=interpret, group_align=group_align)
     if up_scales is not None or down_scales is not None:
         raise ValueError("up_scales / down_scales given without weight_format ('int8', 'fp8' or 'mxfp4')")
-    x = hidden_states[order // top_k].astype(up_weight.dtype)
-    fused_tm = fused_kernel_row_tile(x.shape[0], up_weight, down_weight, up_bias, down_bias,
+    rows = ids.shape[0]
+    fused_tm = fused_kernel_row_tile(rows, up_weight, down_weight, up_bias, down_bias,
                                      gate, rhs_layout, generation)
     if fused is None:
         fused = fused_tm is not None
+    if group_align is None:
+        group_align = group_alignment(rows, num_experts, fused, generation)
+    layout = AlignedRows.of(sorted_ids, group_sizes, group_align)
+    x = hidden_states[layout.spread(order // top_k)].astype(up_weight.dtype)
     if fused:
         out = pallas_fused_experts.fused_glu_experts(
-            x, up_weight, down_weight, group_sizes, gate=gate, out_dtype=jnp.float32,
+            x, up_weight, down_weight, layout.group_sizes, gate=gate, out_dtype=jnp.float32,
             tm=fused_tm, generation=generation, interpret=interpret)
-        return _combine(out, order, remote, top_k_weights, num_tokens, top_k, hidden, out_dtype)
-    out = two_matmuls(x, up_weight, down_weight, group_sizes, up_bias=up_bias, down_bias=down_bias,
-                      safe_ids=safe_ids, gate=gate, alpha=alpha, limit=limit, rhs_layout=rhs_layout,
-                      generation=generation, interpret=interpret)
-    return _combine(out, order, remote, top_k_weights, num_tokens, top_k, hidden, out_dtype)
+    else:
+        out = two_matmuls(x, up_weight, down_weight, layout.group_sizes, up_bias=up_bias, down_bias=down_bias,
+                          safe_ids=layout.spread(safe_ids), gate=gate, alpha=alpha, limit=limit,
+                          rhs_layout=rhs_layout, generation=generation, interpret=interpret)
+    return _combine(out, layout.rows_of_slots(order), ids >= num_experts, top_k_weights, out_dtype)
+
+
+# Group-aligned rows at prefill: each expert's rows start at a multiple of
+# GROUP_ALIGN_ROWS in the sorted layout (the rows between are padding, never
+# read back), so no row chunk of a kernel holds two experts' rows. A chunk
+# shared by two groups is computed once per group (the visits of
+# ``pallas_gmm``), about half a 256-row MXU pass lost per boundary; padding
+# loses a quarter of a 256-row pass per group on average (64 rows), plus the
+# padding rows' gather and the kernels' zero rows past the groups (the static
+# row count grows by E x 127). Estimated, the layer at 4096 tokens (rows
+# sorted as the program gives them; ``bench_tpu_estimates``, uniform routing),
+# unaligned -> aligned to 128 / 256 rows, us: tpu7x Qwen3-30B-A3B (fused, 256
+# rows a group) 591.4 -> 541.3 / 586.6, Gemma-4-26B-A4B (fused) 811.6 ->
+# 734.6, gpt-oss-20b (two matmuls, 512 rows a group) 1349.2 -> 1252.5 /
+# 1307.8, Mixtral-8x7B (1024) 3262.6 -> 3195.6; Qwen3-30B-A3B at 512 tokens
+# (32 rows a group) 342.9 -> 397.5. v6e gpt-oss-20b 1615.7 -> 1557.8 / 1653.1,
+# Mixtral-8x7B 4058.3 -> 4138.2 / 4116.2; v5e Qwen3-30B-A3B (fused, 128-row
+# tiles without chunks) 2618.3 -> 2796.0. Hence the rule: on tpu7x from 256
+# rows a group, on v6e the two matmuls from 256 rows a group, both below 1024
+# (where a boundary is rare against the rows); nowhere else.
+GROUP_ALIGN_ROWS = 128
+GROUP_ALIGN_PATHS = {"tpu7x": ("fused", "two matmuls"), "v6e": ("two matmuls",)}
+GROUP_ALIGN_ROWS_PER_GROUP = (256, 1024)  # [from, below)
+
+
+def group_alignment(rows: int, num_experts: int, fused: bool, generation: str | None) -> int:
+    """Rows each expert's group is aligned to in the sorted layout (1: not
+    aligned), by the rule above."""
+    paths = GROUP_ALIGN_PATHS.get(tpu_generations.get_generation(generation).name, ())
+    low, high = GROUP_ALIGN_ROWS_PER_GROUP
+    if ("fused" if fused else "two matmuls") in paths and low * num_experts <= rows < high * num_experts:
+        return GROUP_ALIGN_ROWS
+    return 1
+
+
+@dataclasses.dataclass(frozen=True)
+class AlignedRows:
+    """The sorted rows with each group starting at a multiple of ``align``:
+    sorted row ``i`` sits at row ``position[i]`` of ``rows`` (static: ``M + E
+    x (align - 1)``, enough for any routing); ``group_sizes`` are the aligned
+    groups' sizes (padding rows belong to their group, rows of remote experts
+    and the slack come after the last group). ``align`` 1 is the plain
+    sorted layout."""
+
+    position: jnp.ndarray | None  # [M] int32, None when align is 1
+    group_sizes: jnp.ndarray  # [E] int32
+    rows: int
+
+    @classmethod
+    def of(cls, sorted_ids, group_sizes, align: int) -> "AlignedRows":
+        rows, num_experts = sorted_ids.shape[0], group_sizes.shape[0]
+        if align <= 1:
+            return cls(None, group_sizes, rows)
+        aligned = (group_sizes + align - 1) // align * align
+        pad_before = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(aligned - group_sizes)])
+        position = jnp.arange(rows, dtype=jnp.int32) + pad_before[jnp.clip(sorted_ids, 0, num_experts)]
+        return cls(position.astype(jnp.int32), aligned.astype(jnp.int32), rows + num_experts * (align - 1))
+
+    def spread(self, values):
+        """Per sorted row -> per row of the layout (padding rows take entry 0's value)."""
+        if self.position is None:
+            return values
+        return jnp.zeros((self.rows,), values.dtype).at[self.position].set(values, unique_indices=True)
+
+    def rows_of_slots(self, order):
+        """The layout's row of every (token, pick) slot, flat: ``order[i]``
+        is the slot of sorted row ``i``."""
+        slots = order.shape[0]
+        sorted_row = jnp.zeros((slots,), jnp.int32).at[order].set(jnp.arange(slots, dtype=jnp.int32),
+                                                                  unique_indices=True)
+        return sorted_row if self.position is None else self.position[sorted_row]
 
 
 def two_matmuls(x, up_weight, down_weight, group_sizes, *, up_bias=None, down_bias=None, safe_ids=None,
@@ -150,9 +229,9 @@ def gated_store_applies(x, up_weight, halves, rhs_layout, weight_format, generat
         lhs_itemsize=x.dtype.itemsize, out_itemsize=x.dtype.itemsize, generation=generation) is not None
 
 
-def _quantized_experts(hidden_states, order, sorted_ids, group_sizes, top_k_weights, top_k, up_weight,
+def _quantized_experts(hidden_states, ids, order, sorted_ids, group_sizes, top_k_weights, top_k, up_weight,
                        down_weight, up_bias, down_bias, up_scales, down_scales, *, weight_format, gate, alpha,
-                       limit, rhs_layout, fused, generation, out_dtype, interpret):
+                       limit, rhs_layout, fused, generation, out_dtype, interpret, group_align=None):
     """The two grouped matmuls on quantized weights (see the module docstring)."""
     if fused:
         raise ValueError(f"fused=True: the fused experts kernel does not read quantized weights "
@@ -160,17 +239,16 @@ def _quantized_experts(hidden_states, order, sorted_ids, group_sizes, top_k_weig
     if rhs_layout != "nk":
         raise ValueError(f"quantized weights (weight_format={weight_format!r}) are stored \"nk\"; "
                          f"rhs_layout={rhs_layout!r} is not supported")
-    num_tokens, hidden = hidden_states.shape
     num_experts = up_weight.shape[0]
-    remote = (sorted_ids >= num_experts)[:, None]
     safe_ids = jnp.minimum(sorted_ids, num_experts - 1)
     act_dtype = jnp.float32 if hidden_states.dtype == jnp.float32 else jnp.bfloat16
-    x = hidden_states[order // top_k].astype(act_dtype)
-    out = two_matmuls(x, up_weight, down_weight, group_sizes, up_bias=up_bias, down_bias=down_bias,
-                      safe_ids=safe_ids, gate=gate, alpha=alpha, limit=limit, rhs_layout=rhs_layout,
+    layout = AlignedRows.of(sorted_ids, group_sizes, group_align or 1)  # the rule is bf16's (not measured here)
+    x = hidden_states[layout.spread(order // top_k)].astype(act_dtype)
+    out = two_matmuls(x, up_weight, down_weight, layout.group_sizes, up_bias=up_bias, down_bias=down_bias,
+                      safe_ids=layout.spread(safe_ids), gate=gate, alpha=alpha, limit=limit, rhs_layout=rhs_layout,
                       generation=generation, interpret=interpret, up_scales=up_scales, down_scales=down_scales,
                       weight_format=weight_format)
-    return _combine(out, order, remote, top_k_weights, num_tokens, top_k, hidden, out_dtype)
+    return _combine(out, layout.rows_of_slots(order), ids >= num_experts, top_k_weights, out_dtype)
 
 
 def fused_kernel_row_tile(m, up_weight, down_weight, up_bias, down_bias, gate, rhs_layout, generation):
@@ -183,9 +261,18 @@ def fused_kernel_row_tile(m, up_weight, down_weight, up_bias, down_bias, gate, r
                                                up_weight.dtype.itemsize, generation)
 
 
-def _combine(out, order, remote, top_k_weights, num_tokens, top_k, hidden, dtype):
-    """Routing weights, sentinel rows to zero, un-sort, sum over top_k."""
-    weights = top_k_weights.reshape(-1)[order].astype(jnp.float32)[:, None]
-    out = jnp.where(remote, 0.0, out.astype(jnp.float32) * weights)
-    combined = jnp.zeros((num_tokens * top_k, hidden), jnp.float32).at[order].set(out)
-    return combined.reshape(num_tokens, top_k, hidden).sum(axis=1).astype(dtype)
+def _combine(out, rows, remote, top_k_weights, dtype):
+    """Each token's ``top_k`` rows of ``out`` (``rows``: the row of every
+    (token, pick) slot, flat), times their routing weights, summed; remote
+    picks add zero. One gather per pick, all in one fusion that reads each
+    row once and writes ``[T, H]``: the routing weights applied to the rows
+    in sorted order, scattered back to ``[T * top_k, H]`` and summed were
+    three passes over the f32 rows (estimated, tpu7x, Qwen3-30B-A3B 4096
+    tokens: 369 us, the fused kernel before them 590)."""
+    num_tokens, top_k = top_k_weights.shape
+    rows, remote = rows.reshape(num_tokens, top_k), remote.reshape(num_tokens, top_k)
+    weights = top_k_weights.astype(jnp.float32)
+    total = jnp.zeros((num_tokens, out.shape[1]), jnp.float32)
+    for k in range(top_k):
+        total = total + jnp.where(remote[:, k:k + 1], 0.0, out[rows[:, k]].astype(jnp.float32) * weights[:, k:k + 1])
+    return total.astype(dtype)

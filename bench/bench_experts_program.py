@@ -1,0 +1,109 @@
+#!/usr/bin/env python
+"""The whole experts program as a user runs it, estimated: routing, the sorted
+rows' gather, the kernels, the combine.
+
+``bench_tpu_estimates`` compares the layer's matmuls (what the peers are
+kernels for) on rows already sorted by expert. A Transformers layer pays more:
+``program.experts_forward`` sorts the picks by expert, gathers the hidden rows
+into that order, runs the kernels, and sums each token's picks times their
+routing weights. This bench estimates that whole program (``tpu_estimator``:
+the kernels from libtpu's schedule and their DMA, every other XLA op at its
+static schedule or its HBM bytes, whichever is longer), bf16 weights, a random
+top-k routing (seed 0), and splits it into the kernels and the XLA ops around
+them, with the three largest of those named.
+
+    python bench/bench_experts_program.py [--chips v6e tpu7x] [--models qwen3-30b-a3b ...]
+        [--tokens 64 4096] [--out bench/results/experts_program.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import tpu_estimator  # noqa: E402  (sets libtpu's dump folder before jax loads libtpu)
+from bench_tpu_estimates import MODELS  # noqa: E402
+from common import ROOT, calibration_summary, markdown, use_shipped_packages  # noqa: E402
+
+def program_args(model: str, tokens: int, seed: int = 0):
+    """The program's inputs: hidden states, the routing (concrete: the grid
+    sizes depend on it), routing weights, the experts' weights (and biases)."""
+    import jax
+    import jax.numpy as jnp
+
+    hidden, inter, experts, top_k, gate = MODELS[model]
+    ids = np.argsort(np.random.default_rng(seed).random((tokens, experts)), axis=1)[:, :top_k].astype(np.int32)
+    bf16 = jnp.bfloat16
+    args = [jax.ShapeDtypeStruct((tokens, hidden), bf16), ids, jax.ShapeDtypeStruct((tokens, top_k), bf16),
+            jax.ShapeDtypeStruct((experts, 2 * inter, hidden), bf16),
+            jax.ShapeDtypeStruct((experts, hidden, inter), bf16)]
+    if gate == "gpt_oss":  # gpt-oss's experts carry biases
+        args += [jax.ShapeDtypeStruct((experts, 2 * inter), bf16), jax.ShapeDtypeStruct((experts, hidden), bf16)]
+    return args
+
+
+def estimate_program(chip: str, model: str, tokens: int) -> dict:
+    from moe_experts_tpu.experts import program
+
+    gate = MODELS[model][4]
+    ops = {}
+
+    def record(other_ops, c):  # each other XLA op's time, as the estimator charges it
+        if c.name == chip:
+            ops.update({name: max(cy / c.clock_hz, b / c.hbm_bytes_per_s) for name, (cy, b) in other_ops.items()})
+        return seconds_of(other_ops, c)
+
+    def fn(x, ids, weights, up, down, *biases):
+        return program.experts_forward(x, ids, weights, up, down, *(biases or (None, None)),
+                                       gate=gate, generation=chip)
+
+    seconds_of, tpu_estimator.other_ops_seconds = tpu_estimator.other_ops_seconds, record
+    try:
+        est = tpu_estimator.estimate(fn, program_args(model, tokens), chip, flops=1.0, min_bytes=1.0)
+    finally:
+        tpu_estimator.other_ops_seconds = seconds_of
+    largest = sorted(ops.items(), key=lambda kv: -kv[1])[:3]
+    return {
+        "model": model, "tokens": tokens,
+        "program us": est.seconds * 1e6,
+        "kernels us": sum(k.seconds for k in est.kernels) * 1e6,
+        "other XLA ops us": est.other_ops_s * 1e6,
+        "kernels": ", ".join(f"{k.name} {k.seconds * 1e6:.1f}" for k in est.kernels),
+        "largest other ops (us)": ", ".join(f"{name} {t * 1e6:.1f}" for name, t in largest),
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--chips", nargs="+", default=["v6e", "tpu7x"])
+    parser.add_argument("--models", nargs="+", default=["qwen3-30b-a3b", "gpt-oss-20b", "mixtral-8x7b"])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[64, 4096])
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "experts_program.md"))
+    args = parser.parse_args(argv)
+    use_shipped_packages()
+    sections = []
+    for chip in args.chips:
+        rows = []
+        for model in args.models:
+            for tokens in args.tokens:
+                row = estimate_program(chip, model, tokens)
+                print(f"[{chip}] {model} {tokens}: program {row['program us']:.1f} us, kernels "
+                      f"{row['kernels us']:.1f}, other {row['other XLA ops us']:.1f} ({row['largest other ops (us)']})",
+                      flush=True)
+                rows.append(row)
+        sections.append(f"## {chip}\n\nEstimator error on this chip: {calibration_summary(chip, 'ragged dot')}.\n\n"
+                        + markdown(rows, "{:.1f}"))
+    command = "python bench/bench_experts_program.py --chips " + " ".join(args.chips) + " --models " + \
+        " ".join(args.models) + " --tokens " + " ".join(map(str, args.tokens))
+    text = ("# The experts program, whole: estimated time (TPU estimator)\n\nGenerated by\n\n    " + command
+            + "\n\n" + __doc__.split("\n\n")[1].replace("\n", " ") + "\n\n" + "\n\n".join(sections) + "\n")
+    pathlib.Path(args.out).write_text(text)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
