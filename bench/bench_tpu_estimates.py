@@ -190,10 +190,27 @@ def estimate_one(chip, model, tokens, name, rng_seed=0, routing="uniform"):
     if name == "fused-ep-moe":  # its own inputs: hidden states and router logits
         return tpu_inference_peers.estimate_fused(chip, tokens, hidden, inter, experts, top_k, rng_seed,
                                                   flops=flops, min_bytes=min_bytes)
-    x = jax.ShapeDtypeStruct((tokens * top_k, hidden), jnp.bfloat16)
+    rows = tokens * top_k
+    if name.startswith("ours"):  # the rows as the experts program lays them out (its group-aligned rule)
+        rows, gs = aligned_rows(name, rows, gs, chip)
+    x = jax.ShapeDtypeStruct((rows, hidden), jnp.bfloat16)
     up, down = weight_specs(name, hidden, inter, experts)
     fn = contender_fn(name, gate, chip)
     return peer_sweep.estimate_peer(peer_name(name), fn, [x, up, down, gs], chip, flops=flops, min_bytes=min_bytes)
+
+
+def aligned_rows(name, rows, gs, chip):
+    """Rows and group sizes of our kernels' input as ``program.experts_forward``
+    gives it: where ``program.group_alignment`` aligns each expert's rows (tpu7x
+    and v6e prefill), the static ``rows + E x (align - 1)`` and the sizes rounded
+    up. What the larger gather costs the program is in ``bench_experts_program``."""
+    from moe_experts_tpu.experts import program
+
+    experts = gs.shape[0]
+    align = program.group_alignment(rows, experts, name == "ours fused", chip)  # "ours": the two matmuls
+    if align == 1:
+        return rows, gs
+    return rows + experts * (align - 1), ((gs + align - 1) // align * align).astype(np.int32)
 
 
 def resolve(chip, model, tokens, name, record, start_from=None, max_rounds=None):

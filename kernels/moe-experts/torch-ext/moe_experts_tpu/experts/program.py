@@ -106,13 +106,13 @@ def experts_forward(
     x = hidden_states[layout.spread(order // top_k)].astype(up_weight.dtype)
     if fused:
         out = pallas_fused_experts.fused_glu_experts(
-            x, up_weight, down_weight, layout.group_sizes, gate=gate, out_dtype=jnp.float32,
+            x, up_weight, down_weight, layout.group_sizes, gate=gate, out_dtype=x.dtype,
             tm=fused_tm, generation=generation, interpret=interpret)
     else:
-        out = two_matmuls(x, up_weight, down_weight, layout.group_sizes, up_bias=up_bias, down_bias=down_bias,
+        out = two_matmuls(x, up_weight, down_weight, layout.group_sizes, up_bias=up_bias,
                           safe_ids=layout.spread(safe_ids), gate=gate, alpha=alpha, limit=limit,
-                          rhs_layout=rhs_layout, generation=generation, interpret=interpret)
-    return _combine(out, layout.rows_of_slots(order), ids >= num_experts, top_k_weights, out_dtype)
+                          rhs_layout=rhs_layout, generation=generation, interpret=interpret, out_dtype=x.dtype)
+    return _combine(out, layout.rows_of_slots(order), ids, num_experts, top_k_weights, out_dtype, down_bias)
 
 
 # Group-aligned rows at prefill: each expert's rows start at a multiple of
@@ -188,9 +188,9 @@ class AlignedRows:
 
 def two_matmuls(x, up_weight, down_weight, group_sizes, *, up_bias=None, down_bias=None, safe_ids=None,
                 gate: str, alpha: float, limit: float, rhs_layout: str, generation=None, interpret=False,
-                up_scales=None, down_scales=None, weight_format: str | None = None):
+                up_scales=None, down_scales=None, weight_format: str | None = None, out_dtype=jnp.float32):
     """The unfused way through the matmuls, on rows sorted by expert: ``[M,
-    H]`` f32. Biases are gathered per row by ``safe_ids`` (the rows' experts).
+    H]`` in ``out_dtype``. Biases are gathered per row by ``safe_ids`` (the rows' experts).
     Both matmuls get the chip's tiles and VMEM limit (without generation=, a
     v4 would be given v6e's and overflow its 16 MiB). Quantized weights
     (``weight_format``) come with their scales; the activations then stay in
@@ -211,10 +211,10 @@ def two_matmuls(x, up_weight, down_weight, group_sizes, *, up_bias=None, down_bi
         if up_bias is not None:
             h = h + up_bias[safe_ids].astype(jnp.float32)
         act = apply_gate(h, gate, alpha, limit).astype(act_dtype)
+    if down_bias is None:
+        return matmul(act, down_weight, down_scales, out_dtype=out_dtype)
     out = matmul(act, down_weight, down_scales, out_dtype=jnp.float32)
-    if down_bias is not None:
-        out = out + down_bias[safe_ids].astype(jnp.float32)
-    return out
+    return (out + down_bias[safe_ids].astype(jnp.float32)).astype(out_dtype)
 
 
 def gated_store_applies(x, up_weight, halves, rhs_layout, weight_format, generation) -> bool:
@@ -244,11 +244,11 @@ def _quantized_experts(hidden_states, ids, order, sorted_ids, group_sizes, top_k
     act_dtype = jnp.float32 if hidden_states.dtype == jnp.float32 else jnp.bfloat16
     layout = AlignedRows.of(sorted_ids, group_sizes, group_align or 1)  # the rule is bf16's (not measured here)
     x = hidden_states[layout.spread(order // top_k)].astype(act_dtype)
-    out = two_matmuls(x, up_weight, down_weight, layout.group_sizes, up_bias=up_bias, down_bias=down_bias,
+    out = two_matmuls(x, up_weight, down_weight, layout.group_sizes, up_bias=up_bias,
                       safe_ids=layout.spread(safe_ids), gate=gate, alpha=alpha, limit=limit, rhs_layout=rhs_layout,
                       generation=generation, interpret=interpret, up_scales=up_scales, down_scales=down_scales,
-                      weight_format=weight_format)
-    return _combine(out, layout.rows_of_slots(order), ids >= num_experts, top_k_weights, out_dtype)
+                      weight_format=weight_format, out_dtype=act_dtype)
+    return _combine(out, layout.rows_of_slots(order), ids, num_experts, top_k_weights, out_dtype, down_bias)
 
 
 def fused_kernel_row_tile(m, up_weight, down_weight, up_bias, down_bias, gate, rhs_layout, generation):
@@ -261,18 +261,25 @@ def fused_kernel_row_tile(m, up_weight, down_weight, up_bias, down_bias, gate, r
                                                up_weight.dtype.itemsize, generation)
 
 
-def _combine(out, rows, remote, top_k_weights, dtype):
+def _combine(out, rows, ids, num_experts: int, top_k_weights, dtype, down_bias=None):
     """Each token's ``top_k`` rows of ``out`` (``rows``: the row of every
-    (token, pick) slot, flat), times their routing weights, summed; remote
-    picks add zero. One gather per pick, all in one fusion that reads each
-    row once and writes ``[T, H]``: the routing weights applied to the rows
-    in sorted order, scattered back to ``[T * top_k, H]`` and summed were
-    three passes over the f32 rows (estimated, tpu7x, Qwen3-30B-A3B 4096
-    tokens: 369 us, the fused kernel before them 590)."""
+    (token, pick) slot, flat; ``ids`` its expert, >= E for a remote one,
+    which adds zero), plus the expert's down bias, times the pick's routing
+    weight, summed in f32. One gather per pick, all in one fusion that reads
+    each row once and writes ``[T, H]``: the routing weights applied in sorted
+    order, a scatter back to ``[T * top_k, H]`` and a sum were three passes
+    over f32 rows (estimated, tpu7x, Qwen3-30B-A3B 4096 tokens: 369 us, the
+    fused kernel before them 590). The kernels write their rows in the
+    activations' dtype (bf16 for a bf16 model, rounded once, as Transformers'
+    eager experts round their down projection): half the bytes of f32 rows,
+    written and read back."""
     num_tokens, top_k = top_k_weights.shape
-    rows, remote = rows.reshape(num_tokens, top_k), remote.reshape(num_tokens, top_k)
+    rows, ids = rows.reshape(num_tokens, top_k), ids.reshape(num_tokens, top_k)
     weights = top_k_weights.astype(jnp.float32)
     total = jnp.zeros((num_tokens, out.shape[1]), jnp.float32)
     for k in range(top_k):
-        total = total + jnp.where(remote[:, k:k + 1], 0.0, out[rows[:, k]].astype(jnp.float32) * weights[:, k:k + 1])
+        row = out[rows[:, k]].astype(jnp.float32)
+        if down_bias is not None:
+            row = row + down_bias[jnp.minimum(ids[:, k], num_experts - 1)].astype(jnp.float32)
+        total = total + jnp.where(ids[:, k:k + 1] < num_experts, row * weights[:, k:k + 1], 0.0)
     return total.astype(dtype)
