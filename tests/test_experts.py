@@ -335,7 +335,7 @@ def test_aligned_rows_layout_against_a_loop():
 
 @pytest.mark.parametrize("generation,fused,rows_per_group,aligned", [
     ("tpu7x", True, 256, True), ("tpu7x", False, 512, True), ("tpu7x", False, 1024, False),
-    ("tpu7x", True, 32, False), ("v6e", False, 512, True), ("v6e", True, 256, False), ("v5e", True, 256, False),
+    ("tpu7x", True, 32, False), ("v6e", False, 512, True), ("v6e", False, 256, False), ("v6e", True, 256, False), ("v5e", True, 256, False),
     ("v4", False, 512, False)])
 def test_group_alignment_rule(generation, fused, rows_per_group, aligned):
     from moe_experts_tpu.experts import program

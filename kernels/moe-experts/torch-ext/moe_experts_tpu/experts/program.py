@@ -122,30 +122,31 @@ def experts_forward(
 # ``pallas_gmm``), about half a 256-row MXU pass lost per boundary; padding
 # loses a quarter of a 256-row pass per group on average (64 rows), plus the
 # padding rows' gather and the kernels' zero rows past the groups (the static
-# row count grows by E x 127). Estimated, the layer at 4096 tokens (rows
-# sorted as the program gives them; ``bench_tpu_estimates``, uniform routing),
-# unaligned -> aligned to 128 / 256 rows, us: tpu7x Qwen3-30B-A3B (fused, 256
-# rows a group) 591.4 -> 541.3 / 586.6, Gemma-4-26B-A4B (fused) 811.6 ->
-# 734.6, gpt-oss-20b (two matmuls, 512 rows a group) 1349.2 -> 1252.5 /
-# 1307.8, Mixtral-8x7B (1024) 3262.6 -> 3195.6; Qwen3-30B-A3B at 512 tokens
-# (32 rows a group) 342.9 -> 397.5. v6e gpt-oss-20b 1615.7 -> 1557.8 / 1653.1,
-# Mixtral-8x7B 4058.3 -> 4138.2 / 4116.2; v5e Qwen3-30B-A3B (fused, 128-row
-# tiles without chunks) 2618.3 -> 2796.0. Hence the rule: on tpu7x from 256
-# rows a group, on v6e the two matmuls from 256 rows a group, both below 1024
-# (where a boundary is rare against the rows); nowhere else.
+# row count grows by E x 127). Estimated, the kernels at 4096 tokens on rows
+# laid out as the program lays them out (``bench_tpu_estimates``, uniform
+# routing), unaligned -> aligned to 128 (/ 256) rows, us: tpu7x Qwen3-30B-A3B
+# (256 rows a group) fused 591.4 -> 541.3 (/ 586.6), two matmuls 669.3 ->
+# 614.8; Gemma-4-26B-A4B (256) fused 811.6 -> 734.6, two matmuls 983.8 ->
+# 889.9; gpt-oss-20b (512, two matmuls) 1349.2 -> 1252.5 (/ 1307.8);
+# Mixtral-8x7B (1024) 3262.6 -> 3195.6; Qwen3-30B-A3B at 512 tokens (32 rows a
+# group) fused 342.9 -> 397.5. v6e: gpt-oss-20b 1615.7 -> 1557.8 (/ 1653.1),
+# but Qwen3-30B-A3B two matmuls 1047.5 -> 1199.5, Gemma-4-26B-A4B 1326.8 ->
+# 1521.2, Mixtral-8x7B 4058.3 -> 4138.2 (/ 4116.2); v5e Qwen3-30B-A3B fused
+# (128-row tiles without chunks) 2618.3 -> 2796.0. Hence the rule, rows a
+# group [from, below) per chip and path; nowhere else.
 GROUP_ALIGN_ROWS = 128
-GROUP_ALIGN_PATHS = {"tpu7x": ("fused", "two matmuls"), "v6e": ("two matmuls",)}
-GROUP_ALIGN_ROWS_PER_GROUP = (256, 1024)  # [from, below)
+GROUP_ALIGN_RULE = {
+    "tpu7x": {"fused": (256, 1024), "two matmuls": (256, 1024)},
+    "v6e": {"two matmuls": (512, 1024)},
+}
 
 
 def group_alignment(rows: int, num_experts: int, fused: bool, generation: str | None) -> int:
     """Rows each expert's group is aligned to in the sorted layout (1: not
     aligned), by the rule above."""
-    paths = GROUP_ALIGN_PATHS.get(tpu_generations.get_generation(generation).name, ())
-    low, high = GROUP_ALIGN_ROWS_PER_GROUP
-    if ("fused" if fused else "two matmuls") in paths and low * num_experts <= rows < high * num_experts:
-        return GROUP_ALIGN_ROWS
-    return 1
+    paths = GROUP_ALIGN_RULE.get(tpu_generations.get_generation(generation).name, {})
+    low, high = paths.get("fused" if fused else "two matmuls", (0, 0))
+    return GROUP_ALIGN_ROWS if low * num_experts <= rows < high * num_experts else 1
 
 
 @dataclasses.dataclass(frozen=True)
