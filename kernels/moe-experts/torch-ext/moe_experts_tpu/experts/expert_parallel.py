@@ -103,8 +103,10 @@ def _rank_forward(x, top_k_index, top_k_weights, up_weight, down_weight, *biases
     if tokens == "sharded":
         x, top_k_index, top_k_weights = (lax.all_gather(a, axis, tiled=True) for a in (x, top_k_index, top_k_weights))
     ids = local_expert_ids(top_k_index, lax.axis_index(axis), num_local)
+    # group_align=1: the program's rule takes every pick for a local one (here about 1 / W of them
+    # are, so it would align groups a W-th of the size it assumes; not estimated on a slice).
     partial = program.experts_forward(x, ids, top_k_weights, up_weight, down_weight, *(biases or (None, None)),
-                                      out_dtype=jnp.float32, **program_kwargs)
+                                      out_dtype=jnp.float32, group_align=1, **program_kwargs)
     if tokens == "sharded":
         total = lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
     else:
