@@ -117,6 +117,8 @@ def main(argv=None):
         for model in args.models:
             for tokens in args.tokens:
                 if logged is not None:
+                    if (chip, model, tokens) not in logged:  # a shape that run did not estimate
+                        continue
                     row = dict(logged[chip, model, tokens])
                 else:
                     row = estimate_program(chip, model, tokens)
