@@ -27,7 +27,12 @@ IMPLS = ["native", "interpret"]
 # the dtype (bf16 7.8e-3, f16 9.7e-4: bench/attention_dtype_error.py).
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 # Gradients (rtol, atol) of out.square().sum(): float16 gradients are their
-# float32 values rounded once (measured max error 2.9e-2 at gradients up to 68).
+# float32 values rounded once (measured max error 2.9e-2 at gradients up to 68),
+# except that the kernels' backward rounds P and dS to float16 before their
+# dots (sums over up to Skv products), so an element's error follows its
+# tensor's scale, not its own value: float16's atol is times max(1, max |grad|)
+# (seed 688330596: interpret dk 3.6e-3 at an element of 0.46 in a tensor reaching
+# 6.8, 5.3e-4 of its scale; the element-wise bound was 2.9e-3).
 GRAD_TOL = {torch.float32: (1e-4, 1e-5), torch.float16: (2e-3, 2e-3)}
 
 # (batch, q heads, kv heads, Sq, Skv, D, Dv): MHA, GQA, MQA, decode, Dv != D, tails.
@@ -745,7 +750,8 @@ def test_gradients_match_float64_autograd(impl, dtype, case):
     for name, got, want in zip("q k v sinks".split(), leaves, ref_leaves):
         assert not torch.isnan(got.grad).any(), f"{impl} d{name}: NaN, seed={SEED}"
         assert got.grad.dtype == got.dtype  # sinks are float32 whatever the inputs
-        torch.testing.assert_close(got.grad.double(), want.grad, rtol=rtol, atol=atol,
+        scale = max(1.0, float(want.grad.abs().max())) if dtype == torch.float16 else 1.0
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=rtol, atol=atol * scale,
                                    msg=f"{impl} {dtype} d{name} seed={SEED}")
 
 
