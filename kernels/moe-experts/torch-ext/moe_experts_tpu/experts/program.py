@@ -187,11 +187,12 @@ class AlignedRows:
         return sorted_row if self.position is None else self.position[sorted_row]
 
 
-def two_matmuls(x, up_weight, down_weight, group_sizes, *, up_bias=None, down_bias=None, safe_ids=None,
+def two_matmuls(x, up_weight, down_weight, group_sizes, *, up_bias=None, safe_ids=None,
                 gate: str, alpha: float, limit: float, rhs_layout: str, generation=None, interpret=False,
                 up_scales=None, down_scales=None, weight_format: str | None = None, out_dtype=jnp.float32):
     """The unfused way through the matmuls, on rows sorted by expert: ``[M,
-    H]`` in ``out_dtype``. Biases are gathered per row by ``safe_ids`` (the rows' experts).
+    H]`` in ``out_dtype``, without the down bias (``_combine`` adds it). The up bias, where the
+    gate is not applied at the store, is gathered per row by ``safe_ids`` (the rows' experts).
     Both matmuls get the chip's tiles and VMEM limit (without generation=, a
     v4 would be given v6e's and overflow its 16 MiB). Quantized weights
     (``weight_format``) come with their scales; the activations then stay in
@@ -212,10 +213,7 @@ def two_matmuls(x, up_weight, down_weight, group_sizes, *, up_bias=None, down_bi
         if up_bias is not None:
             h = h + up_bias[safe_ids].astype(jnp.float32)
         act = apply_gate(h, gate, alpha, limit).astype(act_dtype)
-    if down_bias is None:
-        return matmul(act, down_weight, down_scales, out_dtype=out_dtype)
-    out = matmul(act, down_weight, down_scales, out_dtype=jnp.float32)
-    return (out + down_bias[safe_ids].astype(jnp.float32)).astype(out_dtype)
+    return matmul(act, down_weight, down_scales, out_dtype=out_dtype)  # the down bias: in _combine
 
 
 def gated_store_applies(x, up_weight, halves, rhs_layout, weight_format, generation) -> bool:
