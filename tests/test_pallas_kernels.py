@@ -440,6 +440,26 @@ def test_weight_gradient_tiling(generation):
     assert tiling.weight_gradient_tiling(16384, 2880, 5760, 32, **{**kw, "generation": "v5e"}).tm == 128
 
 
+def test_tpu7x_wide_tiles_fit_or_keep_the_cap():
+    """tpu7x's forward output tiles reach 3072 columns only where the tile
+    holds K whole within the budget and pads no more MXU columns than the
+    2048 cap's tiles (tiling's "Forward tiles on tpu7x"), at 4096 tokens."""
+    from ragged_dot_tpu.gmm import tiling
+
+    def tiles(m, k, n, g):
+        return tiling.choose_tiling(m, k, n, g, lhs_itemsize=2, rhs_itemsize=2, out_itemsize=2,
+                                    generation="tpu7x").as_tuple()
+
+    assert tiles(16384, 2880, 2880, 32) == (256, 2880, 2880)  # gpt-oss-20b down: one tile, not 2 x 1536
+    assert tiles(16384, 2880, 5760, 32) == (256, 2880, 3072)  # its gated up: 2 x 3072, not 3 x 2048
+    assert tiles(32768, 704, 2816, 128) == (256, 704, 2816)  # Gemma-4-26B-A4B down
+    assert tiles(32768, 2048, 7168, 256) == (256, 2048, 1792)  # DeepSeek-V3 down: 3 x 2560 would pad 512 columns
+    assert tiles(8192, 4096, 28672, 8) == (256, 4096, 2048)  # Mixtral-8x7B up: 3072 would not fit, nor 2048 halve
+    assert tiles(256, 2880, 2880, 32) == (128, 2880, 1024)  # decode: below 64 rows a group, N past 2048
+    assert tiling.mxu_columns(2880, 2880, 256) == tiling.mxu_columns(2880, 1536, 256) == 3072
+    assert tiling.mxu_columns(7168, 2560, 256) == 7680 > tiling.mxu_columns(7168, 1792, 256) == 7168
+
+
 @pytest.mark.parametrize("generation", ["v4", "v5e", "v6e", "tpu7x"])
 def test_forward_tiles_differ_from_group_size_rule_only_where_estimated_faster(generation):
     """gpt-oss-20b's up projection at 512 tokens: the forward kernel takes

@@ -62,7 +62,23 @@ row and output tiles differ, see "Forward tiles"):
   2048) 156 -> 181); at decode split 2048-wide tiles lose 1-2% (gpt-oss-20b
   1 token up 41.5 -> 42.5 us, Mixtral-8x7B 130.9 -> 132.1), a whole output
   dim wins (Qwen3-30B-A3B 64 tokens down (128, 768, 1024) 152 -> (128, 768,
-  2048) 120). The layer (``bench_tpu_estimates``) in "Figures" below.
+  2048) 120). Wider still where it fits (``wide_tn_fit``, 3072): a wide tile
+  takes up to 3072 columns when the tile holds K whole within the budget and
+  the MXU computes no more padded columns than the 2048 cap's tiles
+  (``mxu_columns``): gpt-oss-20b's down projection (N = 2880) in one tile
+  instead of two of 1536, its gated up projection (2I = 5760) in two of 3072
+  instead of three of 2048, Gemma-4-26B-A4B's down projection (N = 2816)
+  in one. TPU estimator, the two matmuls on the program's rows (aligned at
+  4096 tokens): gpt-oss-20b 4096 tokens 1252.5 -> 1173.4 us (up 834.6 ->
+  791.7, down 416.4 -> 380.2), 512 tokens 486.9 -> 466.8; Gemma-4-26B-A4B
+  4096 tokens 889.9 -> 790.5 (down 446.8 -> 347.4); training, gpt-oss-20b
+  4096 tokens, the down projection's input gradient 424.1 -> 368.0. Not
+  taken: a 3072 cap everywhere halves Mixtral-8x7B's up projection to 1536
+  where 2048 fits (4096 tokens 2124.6 -> 2230.2 us); DeepSeek-V3's down
+  projection (N = 7168) in three tiles of 2560 instead of four of 1792
+  computes 512 padded columns (4096 tokens 2746.3 -> 2816.4). Decode rows
+  (below 64 rows per group, N past 2048) keep their tiles. The layer
+  (``bench_tpu_estimates``) in "Figures" below.
 * ``tk`` covers the whole contraction dim when it fits (``K <= tk_max``): the
   kernel then streams each expert's weights exactly once per output column
   tile, consecutive tiles of one group reuse the weight block already in VMEM,
@@ -219,10 +235,17 @@ class TileCaps:
     # "Forward tiles", tpu7x).
     wide_from_rows: int = 0
     wide_tn_max: int = 0
+    # Where a tile takes wide_tn_max, it may instead reach this width when the
+    # tile still fits the budget with K whole (0: never; see "Forward tiles",
+    # tpu7x): fewer column tiles, without the halving a wider cap would cost
+    # where it does not fit.
+    wide_tn_fit: int = 0
+
+    def wide(self, rows_per_group: int, n: int) -> bool:
+        return bool(self.wide_tn_max) and (rows_per_group >= self.wide_from_rows or n <= self.wide_tn_max)
 
     def tn_cap(self, rows_per_group: int, n: int) -> int:
-        wide = self.wide_tn_max and (rows_per_group >= self.wide_from_rows or n <= self.wide_tn_max)
-        return self.wide_tn_max if wide else self.tn_max
+        return self.wide_tn_max if self.wide(rows_per_group, n) else self.tn_max
 
 
 TILE_CAPS = {
@@ -243,7 +266,7 @@ ROW_CHUNK = {"v4": 0, "v5e": 128, "v5p": 0, "v6e": 256, "tpu7x": 256}
 FORWARD_TILE_CAPS = {
     "v5e": TileCaps(512, 1024, 16384, tm_min=512),
     "v6e": TileCaps(512, 4096, 16384, tm_min=512),
-    "tpu7x": TileCaps(256, 1024, 16384, tm_min=128, wide_from_rows=64, wide_tn_max=2048),
+    "tpu7x": TileCaps(256, 1024, 16384, tm_min=128, wide_from_rows=64, wide_tn_max=2048, wide_tn_fit=3072),
 }
 # The VMEM budget of the forward kernels and the weight gradient, whose
 # working sets count every buffer: 15/16 of the large limit (tpu7x 45 MiB,
@@ -359,6 +382,13 @@ def choose_tiling(m: int, k: int, n: int, num_groups: int, *, lhs_itemsize: int,
     def working_set(c: Tiling) -> int:
         return forward_working_set_bytes(c, k, lhs_itemsize, rhs_itemsize, out_itemsize, gen.name)
 
+    if caps.wide_tn_fit and t.tk == k and caps.wide(rows_per_group(m, num_groups), n):
+        # Fewer, wider column tiles, where they fit with K whole and the MXU
+        # computes no more (padded) columns than the narrower tiles would.
+        fitted = Tiling(t.tm, t.tk, balanced_tile(n, min(n, caps.wide_tn_fit), gen.mxu))
+        if (fitted.tn > t.tn and working_set(fitted) <= budget
+                and mxu_columns(n, fitted.tn, gen.mxu) <= mxu_columns(n, balanced_tile(n, t.tn, gen.mxu), gen.mxu)):
+            t = fitted
     # A whole-K tile first: narrow the output tile down to TN_KEEP_K before
     # splitting K (a split K re-reads a group's weights on every row tile).
     # Only where that keeps K whole: a K that splits anyway keeps its wide
@@ -407,6 +437,11 @@ def weight_gradient_tiling(m: int, k: int, n: int, num_groups: int, *, lhs_items
         else:
             break  # unreachable at the budgets above
     return Tiling(t.tm, balanced_tile(k, t.tk, 128), balanced_tile(n, t.tn, 128))
+
+
+def mxu_columns(dim: int, tile: int, mxu: int) -> int:
+    """Columns the MXU computes for ``dim`` in ``tile``-wide tiles (each padded to its width)."""
+    return -(-dim // tile) * (-(-min(tile, dim) // mxu) * mxu)
 
 
 def balanced_tile(dim: int, tile: int, align: int) -> int:
