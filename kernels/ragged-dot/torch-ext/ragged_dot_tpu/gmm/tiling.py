@@ -26,8 +26,9 @@ row and output tiles differ, see "Forward tiles"):
   gpt-oss-20b 512 / 4096 tokens 2105.6 / 6133.7 -> 2064.4 / 5612.5,
   Mixtral-8x7B 512 / 4096 tokens 3825.8 / 16287.3 -> 3682.6 / 15981.7;
   decode unchanged, Qwen3 1 / 64 tokens 95.4 / 1452.9 us; 3072 loses on
-  Mixtral's 4096 tokens, 17486.8, where its tiles halve to fit). A tile shared by several groups costs each
-  group only the row chunks holding its rows, so a large tile adds little
+  Mixtral's 4096 tokens, 17486.8, where its tiles halve to fit). A tile
+  shared by several groups costs each group only the row chunks holding its
+  rows, so a large tile adds little
   MXU work; it removes grid steps and the lhs / out traffic between them.
   Estimated, the layer's two matmuls (``bench/peer_sweep.py --peers ours``
   walk on v6e, then the old and new rule at every shape of
