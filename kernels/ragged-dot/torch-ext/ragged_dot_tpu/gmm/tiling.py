@@ -28,8 +28,8 @@ row and output tiles differ, see "Forward tiles"):
   decode unchanged, Qwen3 1 / 64 tokens 95.4 / 1452.9 us; 3072 loses on
   Mixtral's 4096 tokens, 17486.8, where its tiles halve to fit). A tile
   shared by several groups costs each group only the row chunks holding its
-  rows, so a large tile adds little
-  MXU work; it removes grid steps and the lhs / out traffic between them.
+  rows, so a large tile adds little MXU work; it removes grid steps and the
+  lhs / out traffic between them.
   Estimated, the layer's two matmuls (``bench/peer_sweep.py --peers ours``
   walk on v6e, then the old and new rule at every shape of
   ``bench_tpu_estimates``): v6e gpt-oss-20b 512 tokens 1314 -> 1169 us, 4096
