@@ -21,8 +21,10 @@ interleaved ones) and writes the activation in the weights' dtype: its f32
 at about four times the pass's HBM time). Estimated (TPU estimator, v6e,
 ``bench_tpu_estimates`` layer): Mixtral-8x7B 4096 tokens 6197 -> 5282 us, 512
 tokens 2072 -> 1952. Where both apply the fused kernel never moves more bytes and does
-the same MXU work, so it is always the one taken (the roofline model in
-bench/bench_experts.py: equal at decode, 1.1x at 1024 tokens, 1.4x at 4096).
+the same MXU work, so it is the one taken (the roofline model in
+bench/bench_experts.py: equal at decode, 1.1x at 1024 tokens, 1.4x at 4096),
+except on v5e from ``TWO_MATMULS_FROM_ROWS_PER_GROUP`` rows a group, where the
+estimator has the two matmuls ahead.
 
 Quantized weights (``weight_format`` "int8" | "fp8" | "mxfp4", values in
 ``up_weight`` / ``down_weight`` stored "nk", scales in ``up_scales`` /
@@ -250,12 +252,26 @@ def _quantized_experts(hidden_states, ids, order, sorted_ids, group_sizes, top_k
     return _combine(out, layout.rows_of_slots(order), ids, num_experts, top_k_weights, out_dtype, down_bias)
 
 
+# Rows a group from which a generation runs the two grouped matmuls even where
+# the fused kernel fits: on v5e the fused kernel's 128-row tiles (one pass of
+# its 128-wide MXUs) lose to the matmuls' 512-row tiles in 128-row chunks and
+# 2048-wide output tiles. TPU estimator, the whole program
+# (bench_experts_program), fused -> two matmuls: Qwen3-30B-A3B 4096 tokens
+# (256 rows a group) 3146.3 -> 3043.5 us, Gemma-4-26B-A4B 4096 tokens 4225.8
+# -> 4093.3; at 512 tokens (32 rows) a wash (Qwen3 1557.8 -> 1553.6, its
+# kernels alone 1515.9 -> 1531.3); at decode the kernels tie within 0.2%.
+TWO_MATMULS_FROM_ROWS_PER_GROUP = {"v5e": 256}
+
+
 def fused_kernel_row_tile(m, up_weight, down_weight, up_bias, down_bias, gate, rhs_layout, generation):
     """The documented rule of the module docstring: the fused kernel's row
     tile, or None when the two grouped matmuls must be used."""
     if up_bias is not None or down_bias is not None or up_weight.dtype != down_weight.dtype:
         return None
     num_experts, two_inter, hidden = up_weight.shape
+    two_matmuls_from = TWO_MATMULS_FROM_ROWS_PER_GROUP.get(tpu_generations.get_generation(generation).name)
+    if two_matmuls_from and -(-m // num_experts) >= two_matmuls_from:
+        return None
     return pallas_fused_experts.fused_row_tile(gate, rhs_layout, m, hidden, two_inter // 2, num_experts,
                                                up_weight.dtype.itemsize, generation)
 
