@@ -49,7 +49,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from ..common import tpu_generations
-from ..gmm import pallas_gmm, pallas_qgmm
+from ..gmm import pallas_gmm, pallas_qgmm, tiling
 from . import pallas_fused_experts
 from .gates import apply_gate, gate_halves, kernel_gate
 
@@ -270,7 +270,7 @@ def fused_kernel_row_tile(m, up_weight, down_weight, up_bias, down_bias, gate, r
         return None
     num_experts, two_inter, hidden = up_weight.shape
     two_matmuls_from = TWO_MATMULS_FROM_ROWS_PER_GROUP.get(tpu_generations.get_generation(generation).name)
-    if two_matmuls_from and -(-m // num_experts) >= two_matmuls_from:
+    if two_matmuls_from and tiling.rows_per_group(m, num_experts) >= two_matmuls_from:
         return None
     return pallas_fused_experts.fused_row_tile(gate, rhs_layout, m, hidden, two_inter // 2, num_experts,
                                                up_weight.dtype.itemsize, generation)
