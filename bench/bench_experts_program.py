@@ -52,7 +52,10 @@ def program_args(model: str, tokens: int, seed: int = 0):
     return args
 
 
-def estimate_program(chip: str, model: str, tokens: int) -> dict:
+PATHS = {"rule": None, "fused": True, "two-matmuls": False}  # --paths: experts_forward's fused=
+
+
+def estimate_program(chip: str, model: str, tokens: int, path: str = "rule") -> dict:
     from moe_experts_tpu.experts import program
 
     gate = MODELS[model][4]
@@ -65,7 +68,7 @@ def estimate_program(chip: str, model: str, tokens: int) -> dict:
 
     def fn(x, ids, weights, up, down, *biases):
         return program.experts_forward(x, ids, weights, up, down, *(biases or (None, None)),
-                                       gate=gate, generation=chip)
+                                       gate=gate, generation=chip, fused=PATHS[path])
 
     seconds_of, tpu_estimator.other_ops_seconds = tpu_estimator.other_ops_seconds, record
     try:
@@ -74,7 +77,7 @@ def estimate_program(chip: str, model: str, tokens: int) -> dict:
         tpu_estimator.other_ops_seconds = seconds_of
     largest = sorted(ops.items(), key=lambda kv: -kv[1])[:3]
     return {
-        "model": model, "tokens": tokens,
+        "model": model, "tokens": tokens, **({"path": path} if path != "rule" else {}),
         "program us": est.seconds * 1e6,
         "kernels us": sum(k.seconds for k in est.kernels) * 1e6,
         "other XLA ops us": est.other_ops_s * 1e6,
@@ -82,17 +85,18 @@ def estimate_program(chip: str, model: str, tokens: int) -> dict:
     }
 
 
-LINE = re.compile(r"^\[(\S+)\] (\S+) (\d+): program ([\d.]+) us, kernels ([\d.]+), other ([\d.]+) \((.*)\)$")
+LINE = re.compile(r"^\[(\S+)\] (\S+) (\d+)(?: \((fused|two-matmuls)\))?: program ([\d.]+) us, kernels ([\d.]+), other ([\d.]+) \((.*)\)$")
 
 
 def read_log(path) -> dict:
-    """``{(chip, model, tokens): row}`` from a run's progress lines."""
+    """``{(chip, model, tokens, path): row}`` from a run's progress lines."""
     rows = {}
     for line in pathlib.Path(path).read_text().splitlines():
         if m := LINE.match(line.strip()):
-            chip, model, tokens, program_us, kernels_us, other_us, largest = m.groups()
-            rows[chip, model, int(tokens)] = {
-                "model": model, "tokens": int(tokens), "program us": float(program_us),
+            chip, model, tokens, forced, program_us, kernels_us, other_us, largest = m.groups()
+            rows[chip, model, int(tokens), forced or "rule"] = {
+                "model": model, "tokens": int(tokens), **({"path": forced} if forced else {}),
+                "program us": float(program_us),
                 "kernels us": float(kernels_us), "other XLA ops us": float(other_us),
                 "largest other ops (us)": largest}
     return rows
@@ -106,6 +110,8 @@ def main(argv=None):
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "experts_program.md"))
     parser.add_argument("--from-log")
     parser.add_argument("--before")
+    parser.add_argument("--paths", nargs="+", choices=list(PATHS), default=["rule"],
+                        help="the program's path: its rule's, or the fused kernel / two matmuls forced")
     args = parser.parse_args(argv)
     logged = read_log(args.from_log) if args.from_log else None
     before = read_log(args.before) if args.before else {}
@@ -115,24 +121,27 @@ def main(argv=None):
     for chip in args.chips:
         rows = []
         for model in args.models:
-            for tokens in args.tokens:
+            for tokens, path in ((t, p) for t in args.tokens for p in args.paths):
+                key = (chip, model, tokens, path)
                 if logged is not None:
-                    if (chip, model, tokens) not in logged:  # a shape that run did not estimate
+                    if key not in logged:  # a shape that run did not estimate
                         continue
-                    row = dict(logged[chip, model, tokens])
+                    row = dict(logged[key])
                 else:
-                    row = estimate_program(chip, model, tokens)
-                    print(f"[{chip}] {model} {tokens}: program {row['program us']:.1f} us, kernels "
+                    row = estimate_program(chip, model, tokens, path)
+                    forced = f" ({path})" if path != "rule" else ""
+                    print(f"[{chip}] {model} {tokens}{forced}: program {row['program us']:.1f} us, kernels "
                           f"{row['kernels us']:.1f}, other {row['other XLA ops us']:.1f} "
                           f"({row['largest other ops (us)']})", flush=True)
-                if (chip, model, tokens) in before:
-                    row["before us"] = before[chip, model, tokens]["program us"]
+                if key in before:
+                    row["before us"] = before[key]["program us"]
                     row["now / before"] = f"{row['program us'] / row['before us']:.2f}"
                 rows.append(row)
         sections.append(f"## {chip}\n\nEstimator error on this chip: {calibration_summary(chip, 'ragged dot')}.\n\n"
                         + markdown(rows, "{:.1f}"))
     command = "python bench/bench_experts_program.py --chips " + " ".join(args.chips) + " --models " + \
         " ".join(args.models) + " --tokens " + " ".join(map(str, args.tokens)) + \
+        (" --paths " + " ".join(args.paths) if args.paths != ["rule"] else "") + \
         "".join(f" --{k.replace('_', '-')} {v}" for k, v in (("from_log", args.from_log), ("before", args.before)) if v)
     text = ("# The experts program, whole: estimated time (TPU estimator)\n\nGenerated by\n\n    " + command
             + "\n\n" + __doc__.split("\n\n")[1].replace("\n", " ")
