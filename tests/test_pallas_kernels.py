@@ -353,6 +353,36 @@ def test_visit_count_skips_empty_groups():
     assert int(visits) == 4  # rows 0-15, 16-23, and the zero tail 24-31
 
 
+def test_fused_glu_experts_default_tile_is_the_kernel_rule():
+    """Without ``tm`` the kernel takes its own rule (``fused_row_tile``: one
+    MXU-wide pass of rows, a whole expert within the VMEM budget), also where
+    the program's rule prefers the two matmuls (v5e from 64 rows an expert);
+    an expert that does not fit is refused by name, not left to Mosaic."""
+    from moe_experts_tpu.experts import pallas_fused_experts
+
+    tiles = []
+    real = pallas_fused_experts.pallas_gmm.forward_visits  # the moe_experts_tpu package's own copy
+
+    def visits(*args, tm, **kw):
+        tiles.append(tm)
+        return real(*args, tm=tm, **kw)
+
+    x = jax.ShapeDtypeStruct((8192, 2048), jnp.bfloat16)  # Qwen3-30B-A3B, 1024 tokens
+    gate_up = jax.ShapeDtypeStruct((128, 1536, 2048), jnp.bfloat16)
+    down = jax.ShapeDtypeStruct((128, 2048, 768), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((128,), jnp.int32)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pallas_fused_experts.pallas_gmm, "forward_visits", visits)
+        jax.eval_shape(lambda *a: pallas_fused_experts.fused_glu_experts(*a, gate="glu_silu", generation="v5e"),
+                       x, gate_up, down, sizes)
+    assert tiles == [128]  # v5e's 128-wide MXU pass (choose_tiling alone gives 512)
+    big = jax.ShapeDtypeStruct((32, 5760, 2880), jnp.bfloat16)  # gpt-oss-20b's 33 MB expert
+    with pytest.raises(ValueError, match="no row tile runs gate='glu_silu'"):
+        jax.eval_shape(lambda *a: pallas_fused_experts.fused_glu_experts(*a, gate="glu_silu", generation="v6e"),
+                       jax.ShapeDtypeStruct((1024, 2880), jnp.bfloat16), big,
+                       jax.ShapeDtypeStruct((32, 2880, 2880), jnp.bfloat16), jax.ShapeDtypeStruct((32,), jnp.int32))
+
+
 @pytest.mark.parametrize("kind", ["random", "with_zeros", "all_empty", "sum_below_m"])
 @pytest.mark.parametrize("generation", ["tpu7x", "v4"])
 @pytest.mark.parametrize("tm", [8, 256])

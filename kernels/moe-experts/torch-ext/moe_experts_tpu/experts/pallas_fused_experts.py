@@ -147,10 +147,12 @@ def fused_glu_experts(x, gate_up, down, group_sizes, *, gate: str, out_dtype=Non
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if m == 0:
         return jnp.zeros((0, hidden), out_dtype)
-    if tm is None:
-        tm = tiling_lib.choose_tiling(m, hidden, two_inter, num_experts, lhs_itemsize=x.dtype.itemsize,
-                                      rhs_itemsize=gate_up.dtype.itemsize, out_itemsize=4,
-                                      generation=generation).tm
+    if tm is None:  # the kernel's own rule (also where a caller forces this kernel past the program's rule)
+        tm = fused_row_tile(gate, "nk", m, hidden, inter, num_experts, gate_up.dtype.itemsize, generation)
+        if tm is None:
+            raise ValueError(f"fused_glu_experts: no row tile runs gate={gate!r} with experts of shape "
+                             f"{tuple(gate_up.shape)} ({gate_up.dtype}) on {generation or 'this device'} "
+                             "(a whole expert must fit the VMEM budget): use the two grouped matmuls")
     seg, tile, num_visits, seg_starts, seg_ends, weight_group = pallas_gmm.forward_visits(
         group_sizes, 0, num_experts, m=m, tm=tm
     )
