@@ -1232,15 +1232,16 @@ def compile_with_dump(fn, args, chip: Chip, donate_argnums: tuple[int, ...] = ()
     root = _libtpu_dump_dir()
     for p in root.iterdir():  # leftovers of an earlier compile
         p.unlink() if p.is_file() else shutil.rmtree(p)
-    aot_compile(fn, args, chip, donate_argnums)
+    compiled = aot_compile(fn, args, chip, donate_argnums)
     own = pathlib.Path(tempfile.mkdtemp(prefix="tpu_dump_"))
+    (own / tpu_schedule.HLO_MODULE).write_text(compiled.as_text())  # names the ops of shared bundle files
     for p in root.iterdir():
         # Keep only what the estimate reads: the final schedules.
         if tpu_schedule.DUMP_NAME.match(p.name):
             shutil.move(str(p), own / p.name)
         else:
             p.unlink() if p.is_file() else shutil.rmtree(p)
-    if not any(own.iterdir()):
+    if not any(tpu_schedule.DUMP_NAME.match(p.name) for p in own.iterdir()):
         raise RuntimeError("libtpu wrote no schedule dump: it was loaded before the estimator set "
                            f"--xla_jf_dump_to (LIBTPU_INIT_ARGS); run the estimate before any other TPU "
                            "compile of the process")

@@ -200,13 +200,115 @@ def array_bytes(shape: str) -> int:
     return total
 
 
+# The optimized HLO module of the compile, written next to its bundle dumps
+# (tpu_estimator.compile_with_dump): libtpu dumps one bundle file per distinct
+# program, so of several identical fusions (a combine's per-pick gathers) only
+# one has a file; the module names them all.
+HLO_MODULE = "hlo_module.txt"
+_LAYOUT_ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8e\w+)\[([\d,]*)\](\{[^}]*\})?")
+
+
+def _balanced(text: str, start: int) -> int:
+    """Index past the parenthesis closing the one at ``text[start]``."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i + 1
+    raise ValueError(f"unbalanced parentheses in {text!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class HloInstruction:
+    name: str
+    shape: str  # with layouts (``S(1)``: placed in VMEM)
+    opcode: str
+    operands: tuple[str, ...]
+    attributes: str
+
+
+def entry_instructions(module: str) -> dict[str, HloInstruction]:
+    """The ENTRY computation's instructions of an HLO module's text."""
+    entry = module[module.index("\nENTRY "):]
+    entry = entry[:entry.index("\n}")]
+    out = {}
+    for line in entry.splitlines()[1:]:
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = ", line)
+        if not m:
+            continue
+        rest = line[m.end():]
+        shape_end = _balanced(rest, 0) if rest.startswith("(") else rest.index(" ")
+        shape, rest = rest[:shape_end], rest[shape_end:].lstrip()
+        opcode = rest[:rest.index("(")]
+        args_end = _balanced(rest, len(opcode))
+        operands = tuple(re.findall(r"%([\w.\-]+)", rest[len(opcode):args_end]))
+        out[m.group(1)] = HloInstruction(m.group(1), shape, opcode, operands, rest[args_end:])
+    return out
+
+
+def _arrays(shape: str):
+    """(dtype, dims, in HBM) of each array a shape names."""
+    return [(dtype, dims, "S(" not in (layout or "")) for dtype, dims, layout in _LAYOUT_ARRAY.findall(shape)]
+
+
+def _signature(ins: HloInstruction, instructions) -> tuple:
+    """What makes two fusions the same program: opcode, fusion kind, and the
+    dtypes and dims (not the memory spaces) of their result and operands."""
+    def arrays(shape):
+        return tuple((dtype, dims) for dtype, dims, _ in _arrays(shape))
+
+    kind = re.search(r"kind=(\w+)", ins.attributes)
+    return (ins.opcode, kind and kind.group(1), arrays(ins.shape),
+            tuple(arrays(instructions[o].shape) if o in instructions else o for o in ins.operands))
+
+
+def hbm_bytes(op: str, operands) -> int:
+    """Bytes an XLA op moves through HBM: its operands ``(kind, in HBM,
+    bytes)`` placed there, read or written. A gather fusion reads only the
+    rows it gathers, at most as many elements of a source as it writes: each
+    HBM input is charged at most the op's output bytes (a combine of ``top_k``
+    per-pick gathers from one ``[rows, H]`` array reads ``rows / top_k`` of
+    its rows each, not all of them)."""
+    written = sum(b for kind, _, b in operands if kind == "output")
+    gather = op.startswith("gather_fusion")
+    return sum(min(b, written) if gather and kind == "input" else b for kind, hbm, b in operands if hbm)
+
+
+def _hlo_operands(ins: HloInstruction, instructions) -> list[tuple[str, bool, int]]:
+    def entries(shape, kind):
+        return [(kind, hbm, array_bytes(f"{dtype}[{dims}]")) for dtype, dims, hbm in _arrays(shape)]
+
+    out = entries(ins.shape, "output")
+    for o in ins.operands:
+        if o in instructions:
+            out += entries(instructions[o].shape, "input")
+    return out
+
+
 def other_ops(dump_dir: str | pathlib.Path, kernel_names: set[str]) -> dict[str, tuple[int, int]]:
-    """Every other HLO op of the program: (static cycles, bytes of its
-    operands placed in HBM, read or written)."""
+    """Every other HLO op of the program: (static cycles, ``hbm_bytes``). A
+    fusion without a bundle file of its own (libtpu dumped its identical
+    twin) takes its twin's cycles and its own operands' bytes."""
     out = {}
     for op, p in _dumps_by_op(dump_dir).items():
         if _op_base(op)[0] in kernel_names:
             continue
         s = parse(p.read_text())
-        out[op] = (s.total_cycles, sum(array_bytes(o.shape) for o in s.operands if o.memory == "hbm"))
+        out[op] = (s.total_cycles, hbm_bytes(op, [(o.kind, o.memory == "hbm", array_bytes(o.shape))
+                                                  for o in s.operands]))
+    module = pathlib.Path(dump_dir) / HLO_MODULE
+    return with_twins(out, entry_instructions(module.read_text())) if module.exists() else out
+
+
+def with_twins(ops: dict[str, tuple[int, int]], instructions: dict[str, HloInstruction]) -> dict:
+    """``ops`` plus every fusion of the module without a bundle file whose
+    identical twin has one: the twin's cycles, the fusion's own HBM bytes."""
+    out = dict(ops)
+    dumped = {_signature(instructions[op], instructions): op for op in ops if op in instructions}
+    for name, ins in instructions.items():
+        if ins.opcode != "fusion" or name in out:
+            continue
+        twin = dumped.get(_signature(ins, instructions))
+        if twin is not None:
+            out[name] = (ops[twin][0], hbm_bytes(name, _hlo_operands(ins, instructions)))
     return out

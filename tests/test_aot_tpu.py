@@ -177,7 +177,7 @@ def test_experts_program_compiles(generation, tokens, case, record_property):
     # Qwen3-30B-A3B's 9.4 MB expert, double-buffered, fits the fused kernel's
     # VMEM budget on v5e/v5p/v6e/tpu7x (90 / 36 / 90 / 45 MiB) but not v4's
     # 12 MiB; gpt-oss (biased, interleaved) never fuses; v5e runs the two
-    # matmuls from 64 rows a group (program.TWO_MATMULS_FROM_ROWS_PER_GROUP).
+    # matmuls from 256 rows a group (program.TWO_MATMULS_FROM_ROWS_PER_GROUP).
     assert (tm is not None) == (model is QWEN and generation != "v4" and (generation, tokens) != ("v5e", 4096))
     record_property("fused_row_tile", tm)
     fused = None if path == "rule" else False
@@ -203,7 +203,7 @@ def test_gemma4_experts_program_compiles(generation):
     abstract = [aot.abstract_input(generation)(*shape_dtype) for shape_dtype in inputs]
     tm = program.fused_kernel_row_tile(4096 * GEMMA4["top_k"], abstract[3], abstract[4], None, None,
                                        "glu_gelu_tanh", "nk", generation)
-    # v5e runs the two matmuls from 64 rows a group (program.TWO_MATMULS_FROM_ROWS_PER_GROUP).
+    # v5e runs the two matmuls from 256 rows a group (program.TWO_MATMULS_FROM_ROWS_PER_GROUP).
     assert tm == (None if generation == "v5e" else tpu_generations.get_generation(generation).mxu)
 
     def fn(*a):
@@ -226,9 +226,9 @@ def test_fused_row_tile_rule_on_v6e(tokens):
     # 128 on v5e's 128-wide MXUs.
     assert tm == {1: 16, 64: 256, 512: 256, 1024: 256, 4096: 256}[tokens]
     v5e = [aot.abstract_input("v5e")(*shape_dtype) for shape_dtype in _experts_inputs(tokens, QWEN)]
-    # v5e: the two matmuls from 64 rows a group (program.TWO_MATMULS_FROM_ROWS_PER_GROUP): 1024 and 4096 tokens here.
+    # v5e: the two matmuls from 256 rows a group (program.TWO_MATMULS_FROM_ROWS_PER_GROUP), 4096 tokens here.
     assert program.fused_kernel_row_tile(tokens * QWEN["top_k"], v5e[3], v5e[4], None, None, "glu_silu", "nk",
-                                         "v5e") == (None if tokens >= 1024 else min(tm, 128))
+                                         "v5e") == (None if tokens == 4096 else min(tm, 128))
 
 
 def test_fused_kernel_rule_refuses_gpt_oss_experts():

@@ -663,3 +663,47 @@ def test_a_donated_argument_is_aliased_to_the_result_it_updates():
     kept = tpu_estimator.aot_compile(update, args, tpu_estimator.CHIPS["v6e"]).as_text()
     assert "input_output_alias" in donated
     assert "input_output_alias" not in kept
+
+
+# An optimized module's ENTRY as libtpu prints it (shapes abridged): a combine
+# of two per-pick gathers from one [64, 256] array, the second identical to
+# the first but for its result's memory space (S(1): VMEM), then their sum.
+COMBINE_MODULE = textwrap.dedent("""\
+    HloModule jit_fn
+
+    %fused_computation.1 (param_0: bf16[64,256], param_1: s32[32]) -> bf16[32,256] {
+      ROOT %gather.1 = bf16[32,256]{1,0} gather(%param_0, %param_1)
+    }
+
+    ENTRY %main.9 (out.1: bf16[64,256], idx.1: s32[32], idx.2: s32[32]) -> bf16[32,256] {
+      %out.1 = bf16[64,256]{1,0:T(8,128)(2,1)} parameter(0)
+      %idx.1 = s32[32]{0:T(128)S(1)} parameter(1)
+      %idx.2 = s32[32]{0:T(128)S(1)} parameter(2)
+      %gather_fusion.1 = bf16[32,256]{1,0:T(8,128)(2,1)} fusion(%out.1, %idx.1), kind=kCustom, calls=%fused_computation.1
+      %gather_fusion.2 = bf16[32,256]{1,0:T(8,128)(2,1)S(1)} fusion(%out.1, %idx.2), kind=kCustom, calls=%fused_computation.2
+      %pair = (bf16[32,256]{1,0:T(8,128)(2,1)}, s32[32]{0:T(128)}) tuple(%gather_fusion.1, %idx.1)
+      ROOT %add_fusion = bf16[32,256]{1,0:T(8,128)(2,1)} fusion(%gather_fusion.1, %gather_fusion.2), kind=kLoop, calls=%fused_computation.3
+    }
+    """)
+
+
+def test_fusions_sharing_a_bundle_file_are_each_charged():
+    """libtpu dumps one bundle file per distinct program: the second gather
+    (no file) takes its twin's cycles and its own bytes; a gather is charged
+    the rows it reads (its output's bytes), not its whole source array."""
+    instructions = tpu_schedule.entry_instructions(COMBINE_MODULE)
+    assert instructions["gather_fusion.2"].operands == ("out.1", "idx.2")
+    assert instructions["pair"].opcode == "tuple"
+    rows = 32 * 256 * 2
+    # As other_ops reads the dumped twin: its HBM source (capped at the rows
+    # it writes), its HBM result; the indices are in VMEM.
+    first = tpu_schedule.hbm_bytes("gather_fusion.1", [("input", True, 64 * 256 * 2), ("input", False, 128),
+                                                       ("output", True, rows)])
+    assert first == 2 * rows
+    dumped = {"gather_fusion.1": (700, first), "add_fusion": (50, 3 * rows)}
+    ops = tpu_schedule.with_twins(dumped, instructions)
+    assert ops["gather_fusion.2"] == (700, rows)  # reads its rows from HBM, writes them to VMEM
+    assert set(ops) == {"gather_fusion.1", "gather_fusion.2", "add_fusion"}
+    # A fusion of another signature is not a twin.
+    other = COMBINE_MODULE.replace("%gather_fusion.2 = bf16[32,256]", "%gather_fusion.2 = bf16[16,256]")
+    assert "gather_fusion.2" not in tpu_schedule.with_twins(dumped, tpu_schedule.entry_instructions(other))

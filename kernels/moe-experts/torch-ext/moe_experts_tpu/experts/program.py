@@ -255,17 +255,14 @@ def _quantized_experts(hidden_states, ids, order, sorted_ids, group_sizes, top_k
 # Rows a group from which a generation runs the two grouped matmuls even where
 # the fused kernel fits: on v5e the fused kernel's 128-row tiles (one pass of
 # its 128-wide MXUs) lose to the matmuls' 512-row tiles in 128-row chunks and
-# 2048-wide output tiles; and in the compiled programs the row gather and the
-# combine move their rows through HBM around the fused kernel (Qwen3 1024
-# tokens: XLA ops 112.7 us, the two gathers 82) but through VMEM, where XLA
-# places them, around the matmuls (XLA ops 31.7 us). TPU estimator, the whole program (bench_experts_program), fused
-# -> two matmuls: Qwen3-30B-A3B 1024 / 2048 / 4096 tokens (64 / 128 / 256 rows
-# a group) 1670.3 -> 1619.4, 1916.4 -> 1809.4, 3146.3 -> 3043.5 us;
-# Gemma-4-26B-A4B 1024 / 2048 2119.5 -> 2130.6, 2620.5 -> 2639.4 (0.5-0.7%
-# slower), 4096 4225.8 -> 4093.3; at 512 tokens (32 rows) a wash (Qwen3
-# 1557.8 -> 1553.6, its kernels alone 1515.9 -> 1531.3), so fused below 64; at
-# decode the kernels tie within 0.2%.
-TWO_MATMULS_FROM_ROWS_PER_GROUP = {"v5e": 64}
+# 2048-wide output tiles once groups are large. TPU estimator, the whole
+# program (``bench_experts_program --paths fused two-matmuls``), fused -> two
+# matmuls: 4096 tokens (256 rows a group) Qwen3-30B-A3B 3023.4 -> 2920.7 us,
+# Gemma-4-26B-A4B 4169.5 -> 4037.0; 2048 tokens (128 rows) Qwen3 1868.0 ->
+# 1833.6 but Gemma-4 2606.5 -> 2723.9, 1024 tokens (64 rows) 1639.8 -> 1625.6
+# and 2101.1 -> 2139.7: below 256 the fused kernel stays; at 512 tokens a
+# wash, at decode the kernels tie within 0.2%.
+TWO_MATMULS_FROM_ROWS_PER_GROUP = {"v5e": 256}
 
 
 def fused_kernel_row_tile(m, up_weight, down_weight, up_bias, down_bias, gate, rhs_layout, generation):
