@@ -1182,8 +1182,30 @@ def _libtpu_dump_dir() -> pathlib.Path:
     current = os.environ.get("LIBTPU_INIT_ARGS", "")
     if flag not in current:
         os.environ["LIBTPU_INIT_ARGS"] = (current + " " + flag).strip()
+    # The optimized HLO module as text, next to the bundles (XLA's own dump:
+    # jaxlib cannot print a module holding async collectives back from the
+    # compiled executable).
+    xla_flags = f"--xla_dump_to={DUMP_ROOT / XLA_DUMP} --xla_dump_hlo_as_text"
+    if xla_flags not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags).strip()
     DUMP_ROOT.mkdir(parents=True, exist_ok=True)
     return DUMP_ROOT
+
+
+XLA_DUMP = "xla"
+
+
+def _optimized_module(root: pathlib.Path, compiled) -> str | None:
+    """The compile's optimized HLO module: XLA's dump of it (the largest, if
+    a helper program was compiled too), else the executable's own text, else
+    None (then fusions sharing a bundle file are charged once)."""
+    dumps = sorted((root / XLA_DUMP).glob("*after_optimizations.txt"), key=lambda p: p.stat().st_size)
+    if dumps:
+        return dumps[-1].read_text()
+    try:
+        return compiled.as_text()
+    except Exception:  # noqa: BLE001  (jaxlib's printer refuses some async ops)
+        return None
 
 
 def chip_device(chip: Chip):
@@ -1240,7 +1262,9 @@ def compile_with_dump(fn, args, chip: Chip, donate_argnums: tuple[int, ...] = ()
         p.unlink() if p.is_file() else shutil.rmtree(p)
     compiled = aot_compile(fn, args, chip, donate_argnums)
     own = pathlib.Path(tempfile.mkdtemp(prefix="tpu_dump_"))
-    (own / tpu_schedule.HLO_MODULE).write_text(compiled.as_text())  # names the ops of shared bundle files
+    module = _optimized_module(root, compiled)  # names the ops of shared bundle files
+    if module is not None:
+        (own / tpu_schedule.HLO_MODULE).write_text(module)
     for p in root.iterdir():
         # Keep only what the estimate reads: the final schedules.
         if tpu_schedule.DUMP_NAME.match(p.name):
