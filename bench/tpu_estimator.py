@@ -91,6 +91,7 @@ import dataclasses
 import os
 import pathlib
 import shutil
+import sys
 import tempfile
 
 import numpy as np
@@ -1182,17 +1183,29 @@ def _libtpu_dump_dir() -> pathlib.Path:
     current = os.environ.get("LIBTPU_INIT_ARGS", "")
     if flag not in current:
         os.environ["LIBTPU_INIT_ARGS"] = (current + " " + flag).strip()
-    # The optimized HLO module as text, next to the bundles (XLA's own dump:
-    # jaxlib cannot print a module holding async collectives back from the
-    # compiled executable).
-    xla_flags = f"--xla_dump_to={DUMP_ROOT / XLA_DUMP} --xla_dump_hlo_as_text"
-    if xla_flags not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags).strip()
+    _request_xla_dump()
     DUMP_ROOT.mkdir(parents=True, exist_ok=True)
     return DUMP_ROOT
 
 
 XLA_DUMP = "xla"
+
+
+def _request_xla_dump():
+    """The optimized HLO module as text, next to the bundles (XLA's own dump:
+    jaxlib cannot print a module holding async collectives back from the
+    compiled executable). XLA reads XLA_FLAGS once, when the process first
+    uses it: set at this module's import, before jax initializes; not in a
+    pytest process, whose other tests' CPU compiles would all dump (the
+    tests estimate in subprocesses, which import this module afresh)."""
+    if "pytest" in sys.modules:
+        return
+    xla_flags = f"--xla_dump_to={DUMP_ROOT / XLA_DUMP} --xla_dump_hlo_as_text"
+    if xla_flags not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags).strip()
+
+
+_request_xla_dump()
 
 
 def _optimized_module(root: pathlib.Path, compiled) -> str | None:
