@@ -85,7 +85,8 @@ def estimate_program(chip: str, model: str, tokens: int, path: str = "rule") -> 
     }
 
 
-LINE = re.compile(r"^\[(\S+)\] (\S+) (\d+)(?: \((fused|two-matmuls)\))?: program ([\d.]+) us, kernels ([\d.]+), other ([\d.]+) \((.*)\)$")
+LINE = re.compile(r"^\[(\S+)\] (\S+) (\d+)(?: \((fused|two-matmuls)\))?: "
+                  r"program ([\d.]+) us, kernels ([\d.]+), other ([\d.]+) \((.*)\)$")
 
 
 def read_log(path) -> dict:
