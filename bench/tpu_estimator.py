@@ -1183,7 +1183,6 @@ def _libtpu_dump_dir() -> pathlib.Path:
     current = os.environ.get("LIBTPU_INIT_ARGS", "")
     if flag not in current:
         os.environ["LIBTPU_INIT_ARGS"] = (current + " " + flag).strip()
-    _request_xla_dump()
     DUMP_ROOT.mkdir(parents=True, exist_ok=True)
     return DUMP_ROOT
 

@@ -188,13 +188,14 @@ def kernel_dumps(dump_dir: str | pathlib.Path, kernel_name: str) -> list[pathlib
     return [p for _, p in found]
 
 
-_ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8e\w+)\[([\d,]*)\]")
+# An array of a shape string, with its layout where printed (``S(1)``: VMEM).
+_ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8e\w+)\[([\d,]*)\](\{[^}]*\})?")
 
 
 def array_bytes(shape: str) -> int:
     """Bytes of the arrays an operand shape names (``bf16[8,128]``, or a tuple)."""
     total = 0
-    for dtype, dims in _ARRAY.findall(shape):
+    for dtype, dims, _ in _ARRAY.findall(shape):
         itemsize = 1 if dtype == "pred" else max(int(re.sub(r"\D", "", dtype.split("e")[0])) // 8, 1)
         total += itemsize * int(np.prod([int(d) for d in dims.split(",") if d]))
     return total
@@ -205,7 +206,6 @@ def array_bytes(shape: str) -> int:
 # program, so of several identical fusions (a combine's per-pick gathers) only
 # one has a file; the module names them all.
 HLO_MODULE = "hlo_module.txt"
-_LAYOUT_ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8e\w+)\[([\d,]*)\](\{[^}]*\})?")
 
 
 def _balanced(text: str, start: int) -> int:
@@ -248,7 +248,7 @@ def entry_instructions(module: str) -> dict[str, HloInstruction]:
 
 def _arrays(shape: str):
     """(dtype, dims, in HBM) of each array a shape names."""
-    return [(dtype, dims, "S(" not in (layout or "")) for dtype, dims, layout in _LAYOUT_ARRAY.findall(shape)]
+    return [(dtype, dims, "S(" not in (layout or "")) for dtype, dims, layout in _ARRAY.findall(shape)]
 
 
 def _signature(ins: HloInstruction, instructions) -> tuple:
