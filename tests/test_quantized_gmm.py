@@ -164,10 +164,10 @@ def test_fp8_decode_path_without_e4m3_matmul():
 
 def test_fp8_sliced_rule_per_generation_and_v5e_prefill():
     """The K-sliced path's reach (tiling.fp8_sliced): v5e at every size (its
-    128-deep MXU is filled by a 128-wide slice), v6e up to 256 rows a group,
-    tpu7x up to 128, the others 32; and on v5e a prefill (267 rows a group,
+    128-deep MXU is filled by a 128-wide slice), v6e up to 128 rows a group,
+    tpu7x up to 8, the others 32; and on v5e a prefill (267 rows a group,
     tm 256, split N) through it matches the float64 reference."""
-    for gen, limit in (("v6e", 256), ("tpu7x", 128), ("v4", 32), ("v5p", 32)):
+    for gen, limit in (("v6e", 128), ("tpu7x", 8), ("v4", 32), ("v5p", 32)):
         assert tiling.fp8_sliced(limit * 4, 4, gen) and not tiling.fp8_sliced(limit * 4 + 1, 4, gen), gen
     assert tiling.fp8_sliced(1 << 20, 4, "v5e")
     rng = np.random.default_rng(SEED)
@@ -175,6 +175,34 @@ def test_fp8_sliced_rule_per_generation_and_v5e_prefill():
     got = run_gmm(lhs, values, scales, sizes, "fp8", jnp.bfloat16, tiling=(256, 384, 256), generation="v5e")
     assert_matches(got, lhs, reference.dequantize_weights(values, scales, "fp8"), sizes, jnp.bfloat16,
                    what="fp8 v5e prefill sliced")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_fp8_streamed_path(dtype):
+    """fp8's streamed path (tiling.fp8_streamed: each 256 weight rows
+    dequantized straight into the dot, one body per run of live row chunks):
+    v6e's 1024-row tiles in four 256-row chunks, visits starting and ending in
+    any chunk, with empty groups, a local window and N not a multiple of the
+    piece; tpu7x at 256-row tiles, a split N. In the poisoning interpreter
+    (an unwritten row reads NaN), against the float64 reference; the rule
+    takes the path at these shapes and not below its row tile or thresholds."""
+    rng = np.random.default_rng(SEED)
+    for m, k, n, g, kind, offset, local, t, generation in (
+            (2100, 256, 320, 7, "with_zeros", 0, 7, (1024, 256, 320), "v6e"),
+            (2100, 256, 320, 9, "random", 2, 4, (1024, 256, 320), "v6e"),
+            (700, 384, 640, 3, "random", 0, 3, (256, 384, 384), "tpu7x")):
+        assert tiling.fp8_streamed(m, local, generation, tiling.Tiling(*t), k), (m, t, generation)
+        lhs, values, scales, sizes = inputs(rng, "fp8", m, k, n, g, kind, dtype, num_local=local)
+        got = run_gmm(lhs, values, scales, sizes, "fp8", dtype, group_offset=offset, tiling=t, generation=generation)
+        assert_matches(got, lhs, reference.dequantize_weights(values, scales, "fp8"), sizes, dtype, offset,
+                       what=f"fp8 streamed {(m, k, n, g, kind, offset, t, generation)}")
+    assert not tiling.fp8_streamed(4096, 4, "v6e", tiling.Tiling(512, 256, 256), 256)  # below v6e's row tile
+    assert not tiling.fp8_streamed(4096, 4, "v6e", tiling.Tiling(1024, 128, 256), 256)  # split K
+    assert not tiling.fp8_streamed(4096, 4, "v5e", tiling.Tiling(1024, 256, 256), 256)  # v5e slices
+    assert not tiling.fp8_streamed(32, 4, "tpu7x", tiling.Tiling(256, 256, 256), 256)  # 8 rows a group: sliced
+    rule = tiling.choose_quantized_tiling("fp8", 8192, 4096, 28672, 8, lhs_itemsize=2, out_itemsize=2,
+                                          generation="v6e")
+    assert rule.tm == 1024 and tiling.fp8_streamed(8192, 8, "v6e", rule, 4096), rule  # Mixtral-8x7B's up, 4096 tokens
 
 
 @pytest.mark.parametrize("fmt_name", FORMATS)

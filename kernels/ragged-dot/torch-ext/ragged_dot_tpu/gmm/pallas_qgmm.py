@@ -20,8 +20,8 @@ format:
   (no accumulator at whole K, the gate on both halves' layouts). Estimated
   v6e, the layer at 4096 tokens, this kernel -> that one: Qwen3-30B-A3B
   1106 -> 1024 us, gpt-oss-20b 2056 -> 1793, Mixtral-8x7B 5019 -> 4072.
-* fp8 sliced (``tiling.fp8_sliced``: decode everywhere, prefill up to 256
-  rows a group on v6e, 128 on tpu7x, all of it on v5e): no dequantized copy. Per 128-wide
+* fp8 sliced (``tiling.fp8_sliced``: groups averaging up to 128 rows on
+  v6e, 8 on tpu7x, any on v5e): no dequantized copy. Per 128-wide
   K slice the e4m3 tile goes into the MXU dot as it is (Mosaic pushes the
   bytes as e4m3b11 on v5e / v5p / v6e / tpu7x, ``FP8_MXU_GENERATIONS``; v4
   gets an exact ``astype(bf16)`` first) and the block scale multiplies the
@@ -34,10 +34,17 @@ format:
   (slices, astype) -> 102.5 (slices, e4m3 into the MXU; HBM roofline 96).
 * fp8 otherwise (larger groups): e4m3 values times their 128 x 128 block
   scale, in f32, rounded once to the lhs dtype (the weight
-  ``dequantize(.., dtype)`` produces), into a scratch tile kept across the
-  visits of a group (the slices would cost per visit and per live row). A step reads its
-  expert's whole ``[N/128, K/128]`` scale block (a few KB, fetched once per
-  expert) and expands its rows along K by one small one-hot matmul
+  ``dequantize(.., dtype)`` produces). Streamed (``tiling.fp8_streamed``:
+  v6e from 1024-row tiles, tpu7x; K whole): a step dequantizes its tile
+  ``FP8_STREAMED_PIECE`` weight rows at a time and pushes each piece
+  straight into the dot against every live row of the visit
+  (``_fp8_streamed_dot``), so the VPU's decode runs under the MXU's work;
+  the live row chunks of a visit, one contiguous run, each run one
+  branch-free body (``chunk_runs``). Otherwise into a scratch tile kept
+  across the visits of a group (the slices would cost per visit and per live
+  row), decoded and stored before the dot. A step reads its expert's whole
+  ``[N/128, K/128]`` scale block (a few KB, fetched once per expert) and
+  expands its rows along K by one small one-hot matmul
   (``_expand_fp8_scales``).
 * mxfp4 at decode (``tiling.mxfp4_stacked``: bf16 lhs, at most 16 rows a
   group, row tiles of 16 computed 8 rows at a time, on the generations of
@@ -138,6 +145,7 @@ ROW_BLOCK = 128
 # dequantized tile once per group (the estimates in tiling.py).
 # Generations whose matmul takes an e4m3 operand (v4 refuses it).
 FP8_MXU_GENERATIONS = tiling_lib.E4M3_MXU_GENERATIONS
+FP8_STREAMED_PIECE = tiling_lib.FP8_STREAMED_PIECE
 
 
 def _mask_cols(w, first_col, valid):
@@ -241,6 +249,37 @@ def _fp8_sliced_dot(x, values_ref, slice_scales, k_i, *, tk, k, e4m3_into_mxu):
         part = part * slice_scales[pl.ds(row, 1), :]
         total = part if total is None else total + part
     return total
+
+
+def _fp8_streamed_dot(x, values_ref, expanded_ref, acc_ref, rows, *, tn):
+    """``acc[rows] += x @ dequantize(tile)^T`` (K whole), the tile dequantized
+    ``FP8_STREAMED_PIECE`` weight rows at a time straight into the dot: the
+    same weights as ``_dequantize_fp8`` (value x scale in f32, rounded once
+    to the lhs dtype), never stored."""
+    for p0 in range(0, tn, FP8_STREAMED_PIECE):
+        p1 = min(p0 + FP8_STREAMED_PIECE, tn)
+        blocks = []
+        for r0 in range(p0, p1, FP8_BLOCK):  # one scale row per 128 weight rows
+            block = values_ref[r0:min(r0 + FP8_BLOCK, p1), :].astype(jnp.float32)
+            blocks.append(block * expanded_ref[pl.ds(r0 // FP8_BLOCK, 1), :])
+        w = blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=0)
+        acc_ref[rows, p0:p1] += dot_f32(x, w.astype(x.dtype), 1, 1)
+
+
+def chunk_runs(chunks):
+    """``(rows, live)`` per contiguous run of a tile's row chunks, ``live``
+    when the visit's live chunks are exactly that run (a visit's rows are one
+    range, so its live chunks are one run: exactly one body runs)."""
+    runs = []
+    for a in range(len(chunks)):
+        for b in range(a + 1, len(chunks) + 1):
+            live = chunks[a][1] & chunks[b - 1][1]
+            if a > 0:
+                live = live & jnp.logical_not(chunks[a - 1][1])
+            if b < len(chunks):
+                live = live & jnp.logical_not(chunks[b][1])
+            runs.append((slice(chunks[a][0].start, chunks[b - 1][0].stop), live))
+    return runs
 
 
 def _dequantize_fp8(values_ref, expanded_ref, wq_ref, *, tn, tk, valid):
@@ -460,7 +499,7 @@ def _qgmm_kernel(
     # stacked), the prefetched weight buffers and their semaphores
     weight_format: str, tm: int, tn: int, tk: int, k: int, tiles_n: int, tiles_k: int,
     num_segments: int, row_chunk: int, half: int, fp8_sliced: bool, fp8_scales_transposed: bool,
-    e4m3_into_mxu: bool,
+    e4m3_into_mxu: bool, fp8_streamed: bool,
     mxfp4_stacked: bool, prefetch: WeightPrefetch | None = None, glu=None, glu_halves: str | None = None,
     has_bias: bool = False, bias_experts: int = 0, valid_cols: int = 0, masked_store: bool = True,
 ):
@@ -507,7 +546,8 @@ def _qgmm_kernel(
             _dequantize_mxfp4(values_ref, scales_ref, wq_ref, tn=tn, tk=tk, half=half, valid=valid)
         else:
             _expand_fp8_scales(scales_ref, expanded_ref[0], n_i, k_i, tn=tn, tk=tk, tiles_n=tiles_n)
-            _dequantize_fp8(values_ref, expanded_ref[0], wq_ref, tn=tn, tk=tk, valid=valid)
+            if not fp8_streamed:
+                _dequantize_fp8(values_ref, expanded_ref[0], wq_ref, tn=tn, tk=tk, valid=valid)
 
     pl.when(dequantize_ref[v] == 1)(_dequantize)
 
@@ -523,6 +563,9 @@ def _qgmm_kernel(
             acc_ref[rows, :] += _mxfp4_stacked_dot(x, values_ref, expanded_ref[0], packed_cols=tk // 2,
                                                    half=half)
             return
+        if fp8_streamed:
+            _fp8_streamed_dot(x, values_ref, expanded_ref[0], acc_ref, rows, tn=tn)
+            return
         acc_ref[rows, :] += dot_f32(x, wq_ref[...], 1, 1)
 
     def accumulate_few_rows(rows, first, count):
@@ -530,7 +573,7 @@ def _qgmm_kernel(
                                                 packed_cols=tk // 2, half=half)
 
     few_rows = [(low, high) for low, high in MXFP4_FEW_ROWS if high < row_chunk] if mxfp4_stacked else []
-    for c, (rows, live) in enumerate(chunks):
+    for c, (rows, live) in enumerate([] if fp8_streamed else chunks):
         if few_rows:  # a chunk holding 1, 2 or 3-4 rows of the visit's group: the few-rows dot
             first_row = tile_ref[v] * tm + c * row_chunk
             live_rows = jnp.minimum(end, first_row + row_chunk) - jnp.maximum(start, first_row)
@@ -540,6 +583,9 @@ def _qgmm_kernel(
                     accumulate_few_rows, rows, first, high))
             live = live & (live_rows > few_rows[-1][1])
         pl.when(live)(functools.partial(accumulate, rows))
+    if fp8_streamed:  # one dot over the visit's live chunks: the decode is paid once per step
+        for rows, live in chunk_runs(chunks):
+            pl.when(live)(functools.partial(accumulate, rows))
 
     if glu is None:
         pl.when(k_i == tiles_k - 1)(lambda: store_visit_rows(out_ref, acc_ref[...], v, tile_ref, tm, start, end))
@@ -650,6 +696,7 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
     e4m3_into_mxu = device_generation in FP8_MXU_GENERATIONS
     mxfp4_stacked = (weight_format == "mxfp4" and e4m3_into_mxu and lhs.dtype == jnp.bfloat16
                      and tiling_lib.mxfp4_stacked(m, num_local, tm, tn))
+    fp8_streamed = weight_format == "fp8" and tiling_lib.fp8_streamed(m, num_local, device_generation, t, k)
 
     if weight_format == "mxfp4":
         lhs = quantized.split_even_odd(lhs, tk, tiles_k, half)
@@ -701,7 +748,7 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
         tiles_k=tiles_k, num_segments=num_local + 2,
         row_chunk=min(MXFP4_STACKED_ROW_CHUNK, tm) if mxfp4_stacked else tiling_lib.row_chunk(tm, generation),
         half=half, fp8_sliced=fp8_sliced, fp8_scales_transposed=fp8_scales_transposed, e4m3_into_mxu=e4m3_into_mxu,
-        mxfp4_stacked=mxfp4_stacked,
+        fp8_streamed=fp8_streamed, mxfp4_stacked=mxfp4_stacked,
         prefetch=prefetch, glu=glu, glu_halves=glu_halves if glu is not None else None,
         has_bias=glu_bias is not None, bias_experts=bias_experts, valid_cols=n if glu is not None and n % tn else 0,
         masked_store=not interpret)
@@ -711,7 +758,7 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
         bytes_accessed=(lhs.size * lhs.dtype.itemsize * tiles_n + fmt.hbm_bytes(min(num_local, m), n, k)
                         + m * n_out * out_dtype.itemsize))
     large_vmem = tiling_lib.quantized_working_set_bytes(
-        weight_format, t, lhs.dtype.itemsize, out_dtype.itemsize) > tiling_lib.tpu_generations.get_generation(
+        weight_format, t, lhs.dtype.itemsize, out_dtype.itemsize, fp8_streamed) > tiling_lib.tpu_generations.get_generation(
             generation).vmem_budget and generation_allows_large_vmem(generation)
     call = pl.pallas_call(
         kernel,
@@ -720,7 +767,7 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
             num_scalar_prefetch=len(scalars), grid=(tiles_n, num_visits, tiles_k),
             in_specs=[lhs_spec, values_spec, scales_spec, *bias_specs], out_specs=out_spec,
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32),
-                            pltpu.VMEM((8, 128) if fp8_sliced or mxfp4_stacked
+                            pltpu.VMEM((8, 128) if fp8_sliced or mxfp4_stacked or fp8_streamed
                                        else (tn, tkw), lhs.dtype)]
             + ([pltpu.VMEM((scales.shape[1] if fp8_scales_transposed else -(-scales.shape[2] // 8) * 8, tn),
                            jnp.float32)] if fp8_sliced else
