@@ -164,11 +164,15 @@ def test_fp8_decode_path_without_e4m3_matmul():
 
 def test_fp8_sliced_rule_per_generation_and_v5e_prefill():
     """The K-sliced path's reach (tiling.fp8_sliced): v5e at every size (its
-    128-deep MXU is filled by a 128-wide slice), v6e up to 128 rows a group,
-    tpu7x up to 8, the others 32; and on v5e a prefill (267 rows a group,
-    tm 256, split N) through it matches the float64 reference."""
-    for gen, limit in (("v6e", 128), ("tpu7x", 8), ("v4", 32), ("v5p", 32)):
+    128-deep MXU is filled by a 128-wide slice), v6e up to 256 rows a group
+    (128 where the streamed path applies), tpu7x up to 128 (8), the others
+    32; and on v5e a prefill (267 rows a group, tm 256, split N) through it
+    matches the float64 reference."""
+    for gen, limit, before_stream in (("v6e", 256, 128), ("tpu7x", 128, 8), ("v4", 32, None), ("v5p", 32, None)):
         assert tiling.fp8_sliced(limit * 4, 4, gen) and not tiling.fp8_sliced(limit * 4 + 1, 4, gen), gen
+        if before_stream:
+            assert tiling.fp8_sliced(before_stream * 4, 4, gen, streams=True), gen
+            assert not tiling.fp8_sliced(before_stream * 4 + 1, 4, gen, streams=True), gen
     assert tiling.fp8_sliced(1 << 20, 4, "v5e")
     rng = np.random.default_rng(SEED)
     lhs, values, scales, sizes = inputs(rng, "fp8", 800, 384, 320, 3, "random", jnp.bfloat16)
@@ -177,32 +181,40 @@ def test_fp8_sliced_rule_per_generation_and_v5e_prefill():
                    what="fp8 v5e prefill sliced")
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-def test_fp8_streamed_path(dtype):
-    """fp8's streamed path (tiling.fp8_streamed: each 256 weight rows
-    dequantized straight into the dot, one body per run of live row chunks):
-    v6e's 1024-row tiles in four 256-row chunks, visits starting and ending in
-    any chunk, with empty groups, a local window and N not a multiple of the
-    piece; tpu7x at 256-row tiles, a split N. In the poisoning interpreter
-    (an unwritten row reads NaN), against the float64 reference; the rule
-    takes the path at these shapes and not below its row tile or thresholds."""
+@pytest.mark.parametrize("fmt_name,dtype", [("fp8", jnp.bfloat16), ("fp8", jnp.float32), ("mxfp4", jnp.bfloat16)])
+def test_streamed_dequantization_path(fmt_name, dtype):
+    """The streamed path (tiling.streamed_dequantization: each 256 weight
+    rows dequantized straight into the dot, one body per run of live row
+    chunks): v6e's 1024-row tiles in four 256-row chunks, visits starting
+    and ending in any chunk, with empty groups, a local window and N not a
+    multiple of the piece; tpu7x at 256-row tiles, a split N. In the
+    poisoning interpreter (an unwritten row reads NaN), against the float64
+    reference; the rule takes the path at these shapes and not below its row
+    tile or thresholds."""
     rng = np.random.default_rng(SEED)
     for m, k, n, g, kind, offset, local, t, generation in (
             (2100, 256, 320, 7, "with_zeros", 0, 7, (1024, 256, 320), "v6e"),
             (2100, 256, 320, 9, "random", 2, 4, (1024, 256, 320), "v6e"),
             (700, 384, 640, 3, "random", 0, 3, (256, 384, 384), "tpu7x")):
-        assert tiling.fp8_streamed(m, local, generation, tiling.Tiling(*t), k), (m, t, generation)
-        lhs, values, scales, sizes = inputs(rng, "fp8", m, k, n, g, kind, dtype, num_local=local)
-        got = run_gmm(lhs, values, scales, sizes, "fp8", dtype, group_offset=offset, tiling=t, generation=generation)
-        assert_matches(got, lhs, reference.dequantize_weights(values, scales, "fp8"), sizes, dtype, offset,
-                       what=f"fp8 streamed {(m, k, n, g, kind, offset, t, generation)}")
-    assert not tiling.fp8_streamed(4096, 4, "v6e", tiling.Tiling(512, 256, 256), 256)  # below v6e's row tile
-    assert not tiling.fp8_streamed(4096, 4, "v6e", tiling.Tiling(1024, 128, 256), 256)  # split K
-    assert not tiling.fp8_streamed(4096, 4, "v5e", tiling.Tiling(1024, 256, 256), 256)  # v5e slices
-    assert not tiling.fp8_streamed(32, 4, "tpu7x", tiling.Tiling(256, 256, 256), 256)  # 8 rows a group: sliced
-    rule = tiling.choose_quantized_tiling("fp8", 8192, 4096, 28672, 8, lhs_itemsize=2, out_itemsize=2,
+        itemsize = jnp.dtype(dtype).itemsize
+        assert tiling.streamed_dequantization(fmt_name, m, local, generation, tiling.Tiling(*t), k, itemsize,
+                                              itemsize), (m, t, generation)
+        lhs, values, scales, sizes = inputs(rng, fmt_name, m, k, n, g, kind, dtype, num_local=local)
+        got = run_gmm(lhs, values, scales, sizes, fmt_name, dtype, group_offset=offset, tiling=t,
+                      generation=generation)
+        assert_matches(got, lhs, reference.dequantize_weights(values, scales, fmt_name), sizes, dtype, offset,
+                       what=f"{fmt_name} streamed {(m, k, n, g, kind, offset, t, generation)}")
+    def streams(m, gen, t, itemsize=2):
+        return tiling.streamed_dequantization(fmt_name, m, 4, gen, tiling.Tiling(*t), 256, itemsize, itemsize)
+
+    assert not streams(4096, "v6e", (512, 256, 256))  # below v6e's row tile
+    assert not streams(4096, "v6e", (1024, 128, 256))  # split K
+    assert not streams(4096, "v5e", (1024, 256, 256))
+    assert not streams(32, "tpu7x", (16, 256, 256))  # 8 rows a group at the decode tile: fp8 sliced, mxfp4 stacked
+    assert fmt_name == "fp8" or not streams(4096, "tpu7x", (256, 256, 256), itemsize=4)  # mxfp4: bf16 lhs only
+    rule = tiling.choose_quantized_tiling(fmt_name, 8192, 4096, 28672, 8, lhs_itemsize=2, out_itemsize=2,
                                           generation="v6e")
-    assert rule.tm == 1024 and tiling.fp8_streamed(8192, 8, "v6e", rule, 4096), rule  # Mixtral-8x7B's up, 4096 tokens
+    assert rule.tm == 1024 and tiling.streamed_dequantization(fmt_name, 8192, 8, "v6e", rule, 4096, 2, 2), rule
 
 
 @pytest.mark.parametrize("fmt_name", FORMATS)
@@ -447,7 +459,9 @@ def test_tiling_rule_keeps_format_blocks(fmt_name):
         for m, k, n in ((8, 2048, 1536), (4096, 2880, 5760), (512, 14336, 4096), (64, 7168, 4096), (32, 18432, 7168)):
             t = tiling.choose_quantized_tiling(fmt_name, m, k, n, 8, lhs_itemsize=2, out_itemsize=4, generation=gen)
             tiling.validate_quantized_tiling(fmt_name, t, m, k, n)
-            assert tiling.quantized_working_set_bytes(fmt_name, t, 2, 4) <= tiling.vmem_budget(gen), (gen, m, k, n, t)
+            streamed = tiling.streamed_dequantization(fmt_name, m, 8, gen, t, k, 2, 4)
+            assert tiling.quantized_working_set_bytes(fmt_name, t, 2, 4, streamed) <= tiling.vmem_budget(gen), (
+                gen, m, k, n, t, streamed)
 
 
 # ----------------------------------------------------------------------------

@@ -21,7 +21,8 @@ format:
   v6e, the layer at 4096 tokens, this kernel -> that one: Qwen3-30B-A3B
   1106 -> 1024 us, gpt-oss-20b 2056 -> 1793, Mixtral-8x7B 5019 -> 4072.
 * fp8 sliced (``tiling.fp8_sliced``: groups averaging up to 128 rows on
-  v6e, 8 on tpu7x, any on v5e): no dequantized copy. Per 128-wide
+  v6e, 8 on tpu7x where the stream below applies, else 256 / 128, any on
+  v5e): no dequantized copy. Per 128-wide
   K slice the e4m3 tile goes into the MXU dot as it is (Mosaic pushes the
   bytes as e4m3b11 on v5e / v5p / v6e / tpu7x, ``FP8_MXU_GENERATIONS``; v4
   gets an exact ``astype(bf16)`` first) and the block scale multiplies the
@@ -34,12 +35,12 @@ format:
   (slices, astype) -> 102.5 (slices, e4m3 into the MXU; HBM roofline 96).
 * fp8 otherwise (larger groups): e4m3 values times their 128 x 128 block
   scale, in f32, rounded once to the lhs dtype (the weight
-  ``dequantize(.., dtype)`` produces). Streamed (``tiling.fp8_streamed``:
-  v6e from 1024-row tiles, tpu7x; K whole): a step dequantizes its tile
-  ``FP8_STREAMED_PIECE`` weight rows at a time and pushes each piece
-  straight into the dot against every live row of the visit
-  (``_fp8_streamed_dot``), so the VPU's decode runs under the MXU's work;
-  the live row chunks of a visit, one contiguous run, each run one
+  ``dequantize(.., dtype)`` produces). Streamed
+  (``tiling.streamed_dequantization``: v6e from 1024-row tiles, tpu7x; K
+  whole): a step dequantizes its tile ``STREAMED_PIECE`` weight rows at a
+  time and pushes each piece straight into the dot against every live row
+  of the visit (``_fp8_streamed_dot``), so the VPU's decode runs under the
+  MXU's work; the live row chunks of a visit, one contiguous run, each run one
   branch-free body (``chunk_runs``). Otherwise into a scratch tile kept
   across the visits of a group (the slices would cost per visit and per live
   row), decoded and stored before the dot. A step reads its expert's whole
@@ -74,7 +75,10 @@ format:
   HBM, sets the floor), gpt-oss-20b 8 tokens 656 -> 229, Mixtral-8x7B 8
   tokens 3303 -> 553 (bf16 1731); the threshold's figures at
   ``tiling.MXFP4_STACKED_ROWS_PER_GROUP``.
-* mxfp4 otherwise (prefill, f32 lhs, v4): a dequantized tile. For a bf16
+* mxfp4 otherwise (prefill, f32 lhs, v4): streamed where
+  ``tiling.streamed_dequantization`` says (bf16 lhs, as the fp8 stream:
+  each 256 weight rows decoded through e4m3 bytes straight into the dot,
+  ``_mxfp4_streamed_dot``), else a dequantized tile. For a bf16
   tile (rows in whole 32-row byte tiles) the nibbles become e4m3 bytes by
   the decode path's bit operations (``_e4m3_tile``), then bf16
   (``astype``), times 2**6, times the e8m0 scale in bf16: every step exact
@@ -145,7 +149,7 @@ ROW_BLOCK = 128
 # dequantized tile once per group (the estimates in tiling.py).
 # Generations whose matmul takes an e4m3 operand (v4 refuses it).
 FP8_MXU_GENERATIONS = tiling_lib.E4M3_MXU_GENERATIONS
-FP8_STREAMED_PIECE = tiling_lib.FP8_STREAMED_PIECE
+STREAMED_PIECE = tiling_lib.STREAMED_PIECE
 
 
 def _mask_cols(w, first_col, valid):
@@ -253,17 +257,39 @@ def _fp8_sliced_dot(x, values_ref, slice_scales, k_i, *, tk, k, e4m3_into_mxu):
 
 def _fp8_streamed_dot(x, values_ref, expanded_ref, acc_ref, rows, *, tn):
     """``acc[rows] += x @ dequantize(tile)^T`` (K whole), the tile dequantized
-    ``FP8_STREAMED_PIECE`` weight rows at a time straight into the dot: the
-    same weights as ``_dequantize_fp8`` (value x scale in f32, rounded once
-    to the lhs dtype), never stored."""
-    for p0 in range(0, tn, FP8_STREAMED_PIECE):
-        p1 = min(p0 + FP8_STREAMED_PIECE, tn)
+    ``STREAMED_PIECE`` weight rows at a time straight into the dot: the same
+    weights as ``_dequantize_fp8`` (value x scale in f32, rounded once to
+    the lhs dtype), never stored."""
+    for p0 in range(0, tn, STREAMED_PIECE):
+        p1 = min(p0 + STREAMED_PIECE, tn)
         blocks = []
         for r0 in range(p0, p1, FP8_BLOCK):  # one scale row per 128 weight rows
             block = values_ref[r0:min(r0 + FP8_BLOCK, p1), :].astype(jnp.float32)
             blocks.append(block * expanded_ref[pl.ds(r0 // FP8_BLOCK, 1), :])
         w = blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=0)
         acc_ref[rows, p0:p1] += dot_f32(x, w.astype(x.dtype), 1, 1)
+
+
+def _mxfp4_streamed_dot(x, values_ref, scales_ref, acc_ref, rows, *, tn, tk, half):
+    """``acc[rows] += x @ dequantize(tile)^T`` for a bf16 lhs split into
+    [even k | odd k] halves (K whole), the tile decoded ``STREAMED_PIECE``
+    weight rows at a time straight into the dot: the same bf16 weights as
+    ``_dequantize_mxfp4`` (through e4m3 bytes, exact), never stored."""
+    packed_cols = tk // 2
+    factor = jnp.asarray(E2M1_TO_E4M3_FACTOR, jnp.bfloat16)
+    for p0 in range(0, tn, STREAMED_PIECE):
+        piece = slice(p0, min(p0 + STREAMED_PIECE, tn))
+        halves = ([], [])
+        for c0, width in _column_chunks(packed_cols):
+            s = _e8m0_scales_per_byte(scales_ref, piece, c0, width).astype(jnp.bfloat16)
+            words = pltpu.bitcast(values_ref[piece, c0:c0 + width], jnp.uint32)
+            for high, out in zip((False, True), halves):
+                out.append((_e4m3_tile(words, high).astype(jnp.bfloat16) * factor) * s)
+        if half > packed_cols:  # each half's lane padding: zero weights (the lhs pads with zeros too)
+            for out in halves:
+                out.append(jnp.zeros((piece.stop - piece.start, half - packed_cols), jnp.bfloat16))
+        w = jnp.concatenate(halves[0] + halves[1], axis=1)
+        acc_ref[rows, piece] += dot_f32(x, w, 1, 1)
 
 
 def chunk_runs(chunks):
@@ -499,7 +525,7 @@ def _qgmm_kernel(
     # stacked), the prefetched weight buffers and their semaphores
     weight_format: str, tm: int, tn: int, tk: int, k: int, tiles_n: int, tiles_k: int,
     num_segments: int, row_chunk: int, half: int, fp8_sliced: bool, fp8_scales_transposed: bool,
-    e4m3_into_mxu: bool, fp8_streamed: bool,
+    e4m3_into_mxu: bool, streamed: bool,
     mxfp4_stacked: bool, prefetch: WeightPrefetch | None = None, glu=None, glu_halves: str | None = None,
     has_bias: bool = False, bias_experts: int = 0, valid_cols: int = 0, masked_store: bool = True,
 ):
@@ -542,11 +568,12 @@ def _qgmm_kernel(
             if pad:  # zeros, never stale VMEM (NaN times the one-row path's zero products)
                 scale_rows = jnp.concatenate([scale_rows, jnp.zeros((pad, tn), jnp.float32)], axis=0)
             expanded_ref[0][...] = scale_rows
-        elif weight_format == "mxfp4":
-            _dequantize_mxfp4(values_ref, scales_ref, wq_ref, tn=tn, tk=tk, half=half, valid=valid)
+        elif weight_format == "mxfp4":  # streamed: reads its scales per piece, nothing to prepare
+            if not streamed:
+                _dequantize_mxfp4(values_ref, scales_ref, wq_ref, tn=tn, tk=tk, half=half, valid=valid)
         else:
             _expand_fp8_scales(scales_ref, expanded_ref[0], n_i, k_i, tn=tn, tk=tk, tiles_n=tiles_n)
-            if not fp8_streamed:
+            if not streamed:
                 _dequantize_fp8(values_ref, expanded_ref[0], wq_ref, tn=tn, tk=tk, valid=valid)
 
     pl.when(dequantize_ref[v] == 1)(_dequantize)
@@ -563,8 +590,11 @@ def _qgmm_kernel(
             acc_ref[rows, :] += _mxfp4_stacked_dot(x, values_ref, expanded_ref[0], packed_cols=tk // 2,
                                                    half=half)
             return
-        if fp8_streamed:
+        if streamed and weight_format == "fp8":
             _fp8_streamed_dot(x, values_ref, expanded_ref[0], acc_ref, rows, tn=tn)
+            return
+        if streamed:
+            _mxfp4_streamed_dot(x, values_ref, scales_ref, acc_ref, rows, tn=tn, tk=tk, half=half)
             return
         acc_ref[rows, :] += dot_f32(x, wq_ref[...], 1, 1)
 
@@ -573,7 +603,7 @@ def _qgmm_kernel(
                                                 packed_cols=tk // 2, half=half)
 
     few_rows = [(low, high) for low, high in MXFP4_FEW_ROWS if high < row_chunk] if mxfp4_stacked else []
-    for c, (rows, live) in enumerate([] if fp8_streamed else chunks):
+    for c, (rows, live) in enumerate([] if streamed else chunks):
         if few_rows:  # a chunk holding 1, 2 or 3-4 rows of the visit's group: the few-rows dot
             first_row = tile_ref[v] * tm + c * row_chunk
             live_rows = jnp.minimum(end, first_row + row_chunk) - jnp.maximum(start, first_row)
@@ -583,7 +613,7 @@ def _qgmm_kernel(
                     accumulate_few_rows, rows, first, high))
             live = live & (live_rows > few_rows[-1][1])
         pl.when(live)(functools.partial(accumulate, rows))
-    if fp8_streamed:  # one dot over the visit's live chunks: the decode is paid once per step
+    if streamed:  # one dot over the visit's live chunks: the decode is paid once per step
         for rows, live in chunk_runs(chunks):
             pl.when(live)(functools.partial(accumulate, rows))
 
@@ -691,12 +721,15 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
     dequantize = dequantizing_visits(seg, num_local, tiles_k)
     # the device's own generation when none is given: on a v4 the e4m3 dot would not compile
     device_generation = generation or tiling_lib.tpu_generations.current_generation()
-    fp8_sliced = weight_format == "fp8" and tiling_lib.fp8_sliced(m, num_local, device_generation)
+    fp8_sliced = weight_format == "fp8" and tiling_lib.fp8_sliced(
+        m, num_local, device_generation,
+        tiling_lib.stream_applies("fp8", device_generation, t, k, lhs.dtype.itemsize, out_dtype.itemsize))
     fp8_scales_transposed = fp8_sliced and m > FP8_SCALES_IN_PLACE_MAX_ROWS
     e4m3_into_mxu = device_generation in FP8_MXU_GENERATIONS
     mxfp4_stacked = (weight_format == "mxfp4" and e4m3_into_mxu and lhs.dtype == jnp.bfloat16
                      and tiling_lib.mxfp4_stacked(m, num_local, tm, tn))
-    fp8_streamed = weight_format == "fp8" and tiling_lib.fp8_streamed(m, num_local, device_generation, t, k)
+    streamed = tiling_lib.streamed_dequantization(weight_format, m, num_local, device_generation, t, k,
+                                                  lhs.dtype.itemsize, out_dtype.itemsize)
 
     if weight_format == "mxfp4":
         lhs = quantized.split_even_odd(lhs, tk, tiles_k, half)
@@ -748,7 +781,7 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
         tiles_k=tiles_k, num_segments=num_local + 2,
         row_chunk=min(MXFP4_STACKED_ROW_CHUNK, tm) if mxfp4_stacked else tiling_lib.row_chunk(tm, generation),
         half=half, fp8_sliced=fp8_sliced, fp8_scales_transposed=fp8_scales_transposed, e4m3_into_mxu=e4m3_into_mxu,
-        fp8_streamed=fp8_streamed, mxfp4_stacked=mxfp4_stacked,
+        streamed=streamed, mxfp4_stacked=mxfp4_stacked,
         prefetch=prefetch, glu=glu, glu_halves=glu_halves if glu is not None else None,
         has_bias=glu_bias is not None, bias_experts=bias_experts, valid_cols=n if glu is not None and n % tn else 0,
         masked_store=not interpret)
@@ -758,7 +791,7 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
         bytes_accessed=(lhs.size * lhs.dtype.itemsize * tiles_n + fmt.hbm_bytes(min(num_local, m), n, k)
                         + m * n_out * out_dtype.itemsize))
     large_vmem = tiling_lib.quantized_working_set_bytes(
-        weight_format, t, lhs.dtype.itemsize, out_dtype.itemsize, fp8_streamed) > tiling_lib.tpu_generations.get_generation(
+        weight_format, t, lhs.dtype.itemsize, out_dtype.itemsize, streamed) > tiling_lib.tpu_generations.get_generation(
             generation).vmem_budget and generation_allows_large_vmem(generation)
     call = pl.pallas_call(
         kernel,
@@ -767,7 +800,7 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
             num_scalar_prefetch=len(scalars), grid=(tiles_n, num_visits, tiles_k),
             in_specs=[lhs_spec, values_spec, scales_spec, *bias_specs], out_specs=out_spec,
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32),
-                            pltpu.VMEM((8, 128) if fp8_sliced or mxfp4_stacked or fp8_streamed
+                            pltpu.VMEM((8, 128) if fp8_sliced or mxfp4_stacked or streamed
                                        else (tn, tkw), lhs.dtype)]
             + ([pltpu.VMEM((scales.shape[1] if fp8_scales_transposed else -(-scales.shape[2] // 8) * 8, tn),
                            jnp.float32)] if fp8_sliced else

@@ -488,7 +488,7 @@ QUANT_TN_MAX = {"v5e": 4096, "v6e": 4096, "tpu7x": 4096}
 # products (pallas_qgmm, "sliced": the e4m3 tile straight into the MXU, no
 # dequantized copy) while its groups average at most
 # FP8_SLICED_ROWS_PER_GROUP[generation] rows (m / groups), else it
-# dequantizes: streamed (FP8_STREAMED_MIN_TM) or once per group into a
+# dequantizes: streamed (STREAMED_MIN_TM) or once per group into a
 # tile. The slices cost per visit and per live row (a 128-deep push: half
 # the depth of a 256-deep MXU), the dequantization a fixed VPU decode per
 # weight. TPU estimator, the layer (bench_quantized_estimates), tile ->
@@ -504,7 +504,10 @@ QUANT_TN_MAX = {"v5e": 4096, "v6e": 4096, "tpu7x": 4096}
 # slices up to 128 rows; tpu7x Qwen3-30B-A3B 64 tokens (4 rows) 147 -> 196,
 # but Mixtral-8x7B 64 (16 rows) 613 -> 428, Qwen3 512 (32) 295 -> 242,
 # gpt-oss-20b 512 (64) 487 -> 350, Mixtral 512 (128) 1031 -> 746, so tpu7x
-# slices up to 8. Generations not listed (v4: an astype per slice; v5p):
+# slices up to 8 (FP8_SLICED_ROWS_PER_GROUP_BEFORE_STREAM) where the stream
+# applies; where it does not (a split K: tpu7x Mixtral-8x7B's down
+# projection at 512 tokens, tk 7168, sliced 531 us, the tile 1016) the
+# limits above hold. Generations not listed (v4: an astype per slice; v5p):
 # not estimated at prefill, the decode threshold. With groups averaging at
 # most FP8_DECODE_TM_ROWS_PER_GROUP rows the row tile is at most
 # FP8_DECODE_TM. TPU estimator, v6e: up projection at 64 tokens,
@@ -513,45 +516,73 @@ QUANT_TN_MAX = {"v5e": 4096, "v6e": 4096, "tpu7x": 4096}
 # Qwen3 64 tokens 503 -> 399 us, DeepSeek-V3 64 tokens (2 rows) 6971 ->
 # 6176, but Mixtral 64 tokens (16 rows) 1065 -> 1112 and Qwen3 512 tokens
 # (32 rows) 641 -> 690: no cap there.
-FP8_SLICED_ROWS_PER_GROUP = {"v5e": None, "v6e": 128, "tpu7x": 8}  # None: always sliced
+FP8_SLICED_ROWS_PER_GROUP = {"v5e": None, "v6e": 256, "tpu7x": 128}  # None: always sliced
+FP8_SLICED_ROWS_PER_GROUP_BEFORE_STREAM = {"v6e": 128, "tpu7x": 8}
 FP8_SLICED_ROWS_PER_GROUP_OTHERS = 32
 FP8_DECODE_TM_ROWS_PER_GROUP = 8
 FP8_DECODE_TM = 32
 
 
-def fp8_sliced(m: int, num_groups: int, generation: str | None) -> bool:
-    """Whether the fp8 kernel takes its K-sliced path (pallas_qgmm) on ``generation``."""
+def fp8_sliced(m: int, num_groups: int, generation: str | None, streams: bool = False) -> bool:
+    """Whether the fp8 kernel takes its K-sliced path (pallas_qgmm) on
+    ``generation``; ``streams``: whether the streamed path would apply
+    otherwise (``stream_applies``), which moves the limit down."""
     name = tpu_generations.get_generation(generation).name
     limit = FP8_SLICED_ROWS_PER_GROUP.get(name, FP8_SLICED_ROWS_PER_GROUP_OTHERS)
+    if streams:
+        limit = FP8_SLICED_ROWS_PER_GROUP_BEFORE_STREAM[name]
     return limit is None or rows_per_group(m, num_groups) <= limit
 
 
-# fp8 past the sliced path, streamed (pallas_qgmm): a step dequantizes its
-# tile 256 weight rows at a time in registers and pushes each piece straight
-# into the MXU, never storing it, so the VPU's decode runs under the MXU's
-# work on the visit's rows; the dequantized tile instead is stored once per
-# group and read back, its decode and the dot one after the other (the
-# vector load / store slots they share). Generations where it pays, with the
-# least row tile it needs (v6e: its decode about as fast as the MXU on 1024
-# rows; tpu7x decodes fp8 four times faster, any tile). TPU estimator,
-# whole-K up projections, tile -> streamed: v6e Mixtral-8x7B 4096 tokens
-# 4110 -> 3632 us (tm 1024; at the rule's 512 streamed is 4349), Qwen3-30B-A3B
-# 4096 (sliced 1069 ->) 983 (tm 1024; 1033 at 512, 1252 at 256); tpu7x
-# Qwen3-30B-A3B 4096 tokens 616 -> 496 (tm 256). Where the streamed tile
-# does not fit (v6e Mixtral-8x7B's down projection, K = 14336, at 1024 rows)
-# the dequantized tile stays (at 512 rows streamed 2145 against 2110 us).
-# Synthetic step (v6e, [256 | 512 | 1024, 2048] x [1536, 2048]): the bf16 dot
-# 2.00 / 3.76 / 7.27 us, streamed 4.41 / 4.97 / 7.36, decode alone 3.97,
-# decode stored then the dot 5.86 (at 256 rows); tpu7x streamed = the dot.
-FP8_STREAMED_MIN_TM = {"v6e": 1024, "tpu7x": 0}
-FP8_STREAMED_PIECE = 256  # weight rows dequantized and pushed at once (128: v6e 512-row step 7.27 us, not 4.97)
+# fp8 past the sliced path and mxfp4 past the stacked one (bf16 lhs),
+# streamed (pallas_qgmm): a step dequantizes its tile STREAMED_PIECE weight
+# rows at a time in registers and pushes each piece straight into the MXU,
+# never storing it, so the VPU's decode runs under the MXU's work on the
+# visit's rows; the dequantized tile instead is stored once per group and
+# read back, its decode and the dot one after the other (the vector load /
+# store slots they share). Generations where it pays, with the least row
+# tile it needs (v6e: its fp8 decode about as fast as the MXU on 1024 rows;
+# tpu7x decodes fp8 four times faster, any tile). TPU estimator, whole-K up
+# projections, tile -> streamed: v6e Mixtral-8x7B 4096 tokens fp8 4110 ->
+# 3624 us (tm 1024; at the rule's 512 streamed is 4349), Qwen3-30B-A3B 4096
+# fp8 (sliced 1069 ->) 980 (tm 1024; 1033 at 512, 1252 at 256), mxfp4 1631
+# -> 1452 (tm 1024; 1798 at 256); tpu7x Qwen3-30B-A3B 4096 tokens fp8 616 ->
+# 496, mxfp4 896 -> 720 (tm 256). Where the streamed tile does not fit (v6e
+# Mixtral-8x7B's fp8 down projection, K = 14336, at 1024 rows) the
+# dequantized tile stays (at 512 rows streamed 2145 against 2110 us).
+# Synthetic fp8 step (v6e, [256 | 512 | 1024, 2048] x [1536, 2048]): the
+# bf16 dot 2.00 / 3.76 / 7.27 us, streamed 4.41 / 4.97 / 7.36, decode alone
+# 3.97, decode stored then the dot 5.86 (at 256 rows); tpu7x streamed = the
+# dot.
+STREAMED_MIN_TM = {"v6e": 1024, "tpu7x": 0}
+STREAMED_PIECE = 256  # weight rows dequantized and pushed at once (128: v6e 512-row fp8 step 7.27 us, not 4.97)
 
 
-def fp8_streamed(m: int, num_groups: int, generation: str | None, t: "Tiling", k: int) -> bool:
-    """Whether the fp8 kernel streams its dequantized weights (``FP8_STREAMED_MIN_TM``) at tiles ``t``."""
+def stream_applies(weight_format: str, generation: str | None, t: "Tiling", k: int, lhs_itemsize: int,
+                   out_itemsize: int) -> bool:
+    """Whether the quantized kernel could stream its dequantized weights at
+    tiles ``t`` (``STREAMED_MIN_TM``; K whole; mxfp4: bf16 lhs and whole
+    32-row byte tiles; its working set, whose f32 pieces outgrow a narrow
+    tile's dequantized copy at a long K, within the budget), whatever the rows."""
     name = tpu_generations.get_generation(generation).name
-    return (name in FP8_STREAMED_MIN_TM and t.tk >= k and t.tm >= FP8_STREAMED_MIN_TM[name]
-            and not fp8_sliced(m, num_groups, name))
+    if name not in STREAMED_MIN_TM or t.tk < k or t.tm < STREAMED_MIN_TM[name]:
+        return False
+    if weight_format == "mxfp4" and (lhs_itemsize != 2 or t.tn % 32):
+        return False
+    return (weight_format in ("fp8", "mxfp4")
+            and quantized_working_set_bytes(weight_format, t, lhs_itemsize, out_itemsize, True) <= vmem_budget(name))
+
+
+def streamed_dequantization(weight_format: str, m: int, num_groups: int, generation: str | None, t: "Tiling",
+                            k: int, lhs_itemsize: int, out_itemsize: int) -> bool:
+    """Whether the quantized kernel streams its dequantized weights at tiles
+    ``t``: where ``stream_applies``, fp8 past the sliced path, mxfp4 past the
+    stacked one."""
+    if not stream_applies(weight_format, generation, t, k, lhs_itemsize, out_itemsize):
+        return False
+    if weight_format == "fp8":
+        return not fp8_sliced(m, num_groups, generation, streams=True)
+    return not mxfp4_stacked(m, num_groups, t.tm, t.tn)
 
 
 # mxfp4 at decode (groups averaging at most MXFP4_STACKED_ROWS_PER_GROUP rows)
@@ -597,8 +628,8 @@ def quantized_working_set_bytes(weight_format: str, t: Tiling, lhs_bytes: int, o
                                 streamed: bool = False) -> int:
     """Double-buffered lhs, values, scales and out tiles, the f32 accumulator,
     the dequantized tile (kept across the visits of one group) and the f32
-    temporaries of one dequantized chunk; ``streamed`` (fp8): no tile, the
-    f32 temporaries of one streamed piece."""
+    temporaries of one dequantized chunk; ``streamed``: no tile, the f32
+    temporaries of one streamed piece."""
     tkw = quantized_k_width(weight_format, t.tk)
     values = t.tn * t.tk // (2 if weight_format == "mxfp4" else 1)
     scales = {"int8": 4 * t.tn, "fp8": 4 * (t.tn // 128 + 1) * (t.tk // 128 + 1), "mxfp4": t.tn * t.tk // 32}
@@ -606,7 +637,7 @@ def quantized_working_set_bytes(weight_format: str, t: Tiling, lhs_bytes: int, o
     dequantized = 0 if weight_format == "int8" else t.tn * tkw * lhs_bytes  # int8 feeds the dot directly
     temporaries = 6 * 128 * QUANT_CHUNK * 4
     if streamed:
-        dequantized, temporaries = 0, 2 * FP8_STREAMED_PIECE * t.tk * 4
+        dequantized, temporaries = 0, 2 * STREAMED_PIECE * tkw * 4
     if weight_format == "fp8":  # its block scales expanded along K, per 128-row group
         dequantized += 4 * (t.tn // 1024 + 1) * 8 * t.tk
     return 2 * io + t.tm * t.tn * 4 + dequantized + temporaries
@@ -646,11 +677,10 @@ def choose_quantized_tiling(weight_format: str, m: int, k: int, n: int, num_grou
             and rows_per_group(m, num_groups) <= MXFP4_STACKED_ROWS_PER_GROUP):  # the stacked path's tiles
         tm = min(tm, MXFP4_DECODE_TM)
     tn = balanced_tile(n, t.tn, gen.mxu if t.tn >= gen.mxu else 128)
-    if weight_format == "fp8" and tk >= k and m >= FP8_STREAMED_MIN_TM.get(gen.name, 0) > tm:
+    if tk >= k and m >= STREAMED_MIN_TM.get(gen.name, 0) > tm:
         # the streamed path's row tile, where it fits (its working set holds no dequantized tile)
-        streamed = Tiling(FP8_STREAMED_MIN_TM[gen.name], tk, tn)
-        if (fp8_streamed(m, num_groups, gen.name, streamed, k)
-                and quantized_working_set_bytes("fp8", streamed, lhs_itemsize, out_itemsize, True) <= budget):
+        streamed = Tiling(STREAMED_MIN_TM[gen.name], tk, tn)
+        if streamed_dequantization(weight_format, m, num_groups, gen.name, streamed, k, lhs_itemsize, out_itemsize):
             return streamed
     return Tiling(tm, tk, tn)
 
