@@ -212,9 +212,30 @@ def test_streamed_dequantization_path(fmt_name, dtype):
     assert not streams(4096, "v5e", (1024, 256, 256))
     assert not streams(32, "tpu7x", (16, 256, 256))  # 8 rows a group at the decode tile: fp8 sliced, mxfp4 stacked
     assert fmt_name == "fp8" or not streams(4096, "tpu7x", (256, 256, 256), itemsize=4)  # mxfp4: bf16 lhs only
+    assert not streams(4096, "tpu7x", (256, 512, 256))  # a tile past K (no tail masking)
     rule = tiling.choose_quantized_tiling(fmt_name, 8192, 4096, 28672, 8, lhs_itemsize=2, out_itemsize=2,
                                           generation="v6e")
     assert rule.tm == 1024 and tiling.streamed_dequantization(fmt_name, 8192, 8, "v6e", rule, 4096, 2, 2), rule
+    # decode-sized groups keep their paths on the rule's tiles (no 1024-row raise): 32 / 8 rows a group
+    for m, groups in ((4096, 128), (1024, 128)):
+        rule = tiling.choose_quantized_tiling(fmt_name, m, 2048, 1536, groups, lhs_itemsize=2, out_itemsize=2,
+                                              generation="v6e")
+        assert not tiling.streamed_dequantization(fmt_name, m, groups, "v6e", rule, 2048, 2, 2), (m, rule)
+        assert fmt_name == "fp8" or tiling.mxfp4_stacked(m, groups, rule.tm, rule.tn), (m, rule)
+
+
+def test_chunk_runs_pick_exactly_the_live_run():
+    """``pallas_qgmm.chunk_runs``: for every contiguous set of live chunks
+    (and none), exactly the run equal to it is live, over its rows."""
+    from ragged_dot_tpu.gmm.pallas_qgmm import chunk_runs
+
+    for n in (1, 2, 4):
+        for a in range(n + 1):
+            for b in range(a, n + 1):
+                live = [a <= c < b for c in range(n)]
+                chunks = [(slice(c * 256, (c + 1) * 256), np.bool_(live[c])) for c in range(n)]
+                picked = [rows for rows, on in chunk_runs(chunks) if on]
+                assert picked == ([slice(a * 256, b * 256)] if b > a else []), (n, a, b, picked)
 
 
 @pytest.mark.parametrize("fmt_name", FORMATS)

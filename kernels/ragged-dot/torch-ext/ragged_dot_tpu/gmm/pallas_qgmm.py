@@ -144,9 +144,10 @@ MXFP4_BLOCK = quant_formats.FORMATS["mxfp4"].block_k  # 32 values, 16 packed byt
 # 609 / 447 us; 256 rows (x 512) 608 / 441 us.
 ROW_BLOCK = 128
 # fp8 runs per 128-wide K slice with the scale on the partial products where
-# ``tiling.fp8_sliced`` says (groups averaging at most 256 rows on v6e, 128
-# on tpu7x, any on v5e): the slices cost per visit and per live row, the
-# dequantized tile once per group (the estimates in tiling.py).
+# ``tiling.fp8_sliced`` says (groups averaging at most 128 rows on v6e, 8 on
+# tpu7x where the stream applies, else 256 / 128, any on v5e): the slices
+# cost per visit and per live row, the dequantized tile once per group, the
+# stream once per visit under the MXU's work (the estimates in tiling.py).
 # Generations whose matmul takes an e4m3 operand (v4 refuses it).
 FP8_MXU_GENERATIONS = tiling_lib.E4M3_MXU_GENERATIONS
 STREAMED_PIECE = tiling_lib.STREAMED_PIECE
@@ -695,9 +696,12 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
     n_out = n if glu is None else n // 2
     if 0 in (m, k, n):
         return jnp.zeros((m, n_out), out_dtype)
+    # the device's own generation when none is given (the tiles and the paths
+    # agree; on a v4 the e4m3 dot would not compile)
+    device_generation = generation or tiling_lib.tpu_generations.current_generation()
     if glu is not None:
         t = gated_store_tiling(weight_format, glu_halves, m, k, n, num_local, lhs_itemsize=lhs.dtype.itemsize,
-                               out_itemsize=out_dtype.itemsize, generation=generation, tiling=tiling)
+                               out_itemsize=out_dtype.itemsize, generation=device_generation, tiling=tiling)
         if t is None:
             raise ValueError(f"glu: the gated store of {weight_format} weights needs {glu_halves} halves in one "
                              f"step's tile (gated_store_tiling): not for values of shape {tuple(values.shape)} "
@@ -706,7 +710,7 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
     elif tiling is None:
         t = tiling_lib.choose_quantized_tiling(weight_format, m, k, n, num_local,
                                                lhs_itemsize=lhs.dtype.itemsize,
-                                               out_itemsize=out_dtype.itemsize, generation=generation)
+                                               out_itemsize=out_dtype.itemsize, generation=device_generation)
     else:
         t = tiling if isinstance(tiling, tiling_lib.Tiling) else tiling_lib.Tiling(*tiling)
         tiling_lib.validate_quantized_tiling(weight_format, t, m, k, n)
@@ -719,8 +723,6 @@ def gmm_quantized(lhs, values, scales, group_sizes, *, weight_format: str, rhs_l
     seg, tile, num_visits, seg_starts, seg_ends, weight_group = forward_visits(
         group_sizes, group_offset, num_local, m=m, tm=tm)
     dequantize = dequantizing_visits(seg, num_local, tiles_k)
-    # the device's own generation when none is given: on a v4 the e4m3 dot would not compile
-    device_generation = generation or tiling_lib.tpu_generations.current_generation()
     fp8_sliced = weight_format == "fp8" and tiling_lib.fp8_sliced(
         m, num_local, device_generation,
         tiling_lib.stream_applies("fp8", device_generation, t, k, lhs.dtype.itemsize, out_dtype.itemsize))

@@ -530,7 +530,7 @@ def fp8_sliced(m: int, num_groups: int, generation: str | None, streams: bool = 
     name = tpu_generations.get_generation(generation).name
     limit = FP8_SLICED_ROWS_PER_GROUP.get(name, FP8_SLICED_ROWS_PER_GROUP_OTHERS)
     if streams:
-        limit = FP8_SLICED_ROWS_PER_GROUP_BEFORE_STREAM[name]
+        limit = FP8_SLICED_ROWS_PER_GROUP_BEFORE_STREAM.get(name, limit)
     return limit is None or rows_per_group(m, num_groups) <= limit
 
 
@@ -565,7 +565,7 @@ def stream_applies(weight_format: str, generation: str | None, t: "Tiling", k: i
     32-row byte tiles; its working set, whose f32 pieces outgrow a narrow
     tile's dequantized copy at a long K, within the budget), whatever the rows."""
     name = tpu_generations.get_generation(generation).name
-    if name not in STREAMED_MIN_TM or t.tk < k or t.tm < STREAMED_MIN_TM[name]:
+    if name not in STREAMED_MIN_TM or t.tk != k or t.tm < STREAMED_MIN_TM[name]:  # a tk past K: no tail masking
         return False
     if weight_format == "mxfp4" and (lhs_itemsize != 2 or t.tn % 32):
         return False
@@ -582,7 +582,8 @@ def streamed_dequantization(weight_format: str, m: int, num_groups: int, generat
         return False
     if weight_format == "fp8":
         return not fp8_sliced(m, num_groups, generation, streams=True)
-    return not mxfp4_stacked(m, num_groups, t.tm, t.tn)
+    # past the stacked path's rows (its decode tile, not ``t``'s: a raised tile must not take decode off it)
+    return rows_per_group(m, num_groups) > MXFP4_STACKED_ROWS_PER_GROUP and not mxfp4_stacked(m, num_groups, t.tm, t.tn)
 
 
 # mxfp4 at decode (groups averaging at most MXFP4_STACKED_ROWS_PER_GROUP rows)
@@ -647,7 +648,9 @@ def choose_quantized_tiling(weight_format: str, m: int, k: int, n: int, num_grou
                             lhs_itemsize: int, out_itemsize: int, generation: str | None = None) -> Tiling:
     """The bf16 rule's row tile and whole-K, wide-N tiles, narrowed to the
     VMEM budget (tn first, down to TN_KEEP_K, then tk in the format's
-    alignment, then tn, then tm)."""
+    alignment, then tn, then tm); decode tiles for fp8's K slices and
+    mxfp4's stacked path; the row tile raised to ``STREAMED_MIN_TM`` where
+    the stream then applies and fits."""
     gen = tpu_generations.get_generation(generation)
     caps = TILE_CAPS[gen.name]
     align = QUANT_TK_ALIGN[weight_format]
