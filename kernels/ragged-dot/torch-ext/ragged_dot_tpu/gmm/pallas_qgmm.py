@@ -277,15 +277,13 @@ def _mxfp4_streamed_dot(x, values_ref, scales_ref, acc_ref, rows, *, tn, tk, hal
     weight rows at a time straight into the dot: the same bf16 weights as
     ``_dequantize_mxfp4`` (through e4m3 bytes, exact), never stored."""
     packed_cols = tk // 2
-    factor = jnp.asarray(E2M1_TO_E4M3_FACTOR, jnp.bfloat16)
     for p0 in range(0, tn, STREAMED_PIECE):
         piece = slice(p0, min(p0 + STREAMED_PIECE, tn))
         halves = ([], [])
         for c0, width in _column_chunks(packed_cols):
-            s = _e8m0_scales_per_byte(scales_ref, piece, c0, width).astype(jnp.bfloat16)
-            words = pltpu.bitcast(values_ref[piece, c0:c0 + width], jnp.uint32)
-            for high, out in zip((False, True), halves):
-                out.append((_e4m3_tile(words, high).astype(jnp.bfloat16) * factor) * s)
+            s = _e8m0_scales_per_byte(scales_ref, piece, c0, width)
+            for out, w in zip(halves, _mxfp4_bf16_halves(values_ref, piece, c0, width, s)):
+                out.append(w)
         if half > packed_cols:  # each half's lane padding: zero weights (the lhs pads with zeros too)
             for out in halves:
                 out.append(jnp.zeros((piece.stop - piece.start, half - packed_cols), jnp.bfloat16))
@@ -343,6 +341,17 @@ def _e8m0_scales_per_byte(scales_ref, rows, first_byte: int, width: int):
     return out[:, :width]
 
 
+def _mxfp4_bf16_halves(values_ref, rows, c0: int, width: int, scales):
+    """The bf16 weights of packed columns ``[c0, c0 + width)`` of ``rows``
+    (whole 32-row byte tiles), low nibbles (even k) then high (odd k),
+    decoded through e4m3 bytes: exact. ``scales``: their f32 e8m0 scales per
+    byte (``_e8m0_scales_per_byte``)."""
+    words = pltpu.bitcast(values_ref[rows, c0:c0 + width], jnp.uint32)
+    scales = scales.astype(jnp.bfloat16)  # exact: a power of two (code 0 reads 0, 255 inf)
+    factor = jnp.asarray(E2M1_TO_E4M3_FACTOR, jnp.bfloat16)
+    return [(_e4m3_tile(words, high).astype(jnp.bfloat16) * factor) * scales for high in (False, True)]
+
+
 def _dequantize_mxfp4(values_ref, scales_ref, wq_ref, *, tn, tk, half, valid):
     packed_cols = tk // 2
 
@@ -353,10 +362,7 @@ def _dequantize_mxfp4(values_ref, scales_ref, wq_ref, *, tn, tk, half, valid):
         for c0, width in _column_chunks(packed_cols):
             s = _e8m0_scales_per_byte(scales_ref, rows, c0, width)
             if through_e4m3:
-                words = pltpu.bitcast(values_ref[rows, c0:c0 + width], jnp.uint32)
-                s = s.astype(jnp.bfloat16)  # exact: a power of two (code 0 reads 0, 255 inf)
-                factor = jnp.asarray(E2M1_TO_E4M3_FACTOR, jnp.bfloat16)
-                halves = [(_e4m3_tile(words, high).astype(jnp.bfloat16) * factor) * s for high in (False, True)]
+                halves = _mxfp4_bf16_halves(values_ref, rows, c0, width, s)
             else:
                 halves = [quantized.e2m1_to_f32(nibbles) * s
                           for nibbles in quantized.unpack_e2m1(values_ref[rows, c0:c0 + width])]
