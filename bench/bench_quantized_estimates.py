@@ -68,7 +68,14 @@ def layer_fn(fmt_name: str, gate: str, generation: str, fused: bool):
     if fmt_name == "bf16":  # our bf16 kernels exactly as the layer table runs them
         return contender_fn("ours fused" if fused else "ours", gate, generation)
 
-    from moe_experts_tpu.experts import program
+    from moe_experts_tpu.experts import pallas_fused_experts, program
+
+    if fused:  # the fused experts kernel on the quantized weights (int8, fp8), at its own row tile
+        def fused_fn(x, up, up_s, down, down_s, gs):
+            return pallas_fused_experts.fused_glu_experts(x, up, down, gs, gate=gate, generation=generation,
+                                                          up_scales=up_s, down_scales=down_s,
+                                                          weight_format=fmt_name)
+        return fused_fn
 
     def fn(x, up, up_s, down, down_s, gs):  # the experts program's quantized path (gated store where it applies)
         return program.two_matmuls(x, up, down, gs, gate=gate, alpha=1.702, limit=7.0, rhs_layout="nk",
@@ -130,7 +137,7 @@ def estimate_one(chip: str, model: str, tokens: int, contender: str) -> tuple[fl
     return est.seconds, est.roofline_s
 
 
-_NAME = r"(bf16 fused|tpu-inference-gmm \S+|\S+)"
+_NAME = r"(\S+ fused|tpu-inference-gmm \S+|\S+)"
 _LINE = re.compile(r"^\[(\S+)\] (\S+) (\d+) " + _NAME + r": ([\d.]+) us \(roofline ([\d.]+) us")
 _FAILED = re.compile(r"^\[(\S+)\] (\S+) (\d+) " + _NAME + r": ([A-Za-z_.]+: .*)$")
 

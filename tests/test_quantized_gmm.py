@@ -506,13 +506,16 @@ def _moderate_weights(rng, fmt_name, e, n, k):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("gate", ["glu_silu", "gpt_oss"])
-@pytest.mark.parametrize("fmt_name", FORMATS)
-def test_experts_program_matches_the_program_on_dequantized_weights(fmt_name, gate, dtype):
+@pytest.mark.parametrize("fmt_name,gate,fused", [
+    (f, g, fused) for f in FORMATS for g, fused in [("glu_silu", None), ("glu_silu", True), ("gpt_oss", None)]
+    if not (fused and f == "mxfp4")])  # mxfp4's refusal: test_experts_program_refuses_quantized_misuse
+def test_experts_program_matches_the_program_on_dequantized_weights(fmt_name, gate, fused, dtype):
     """``program.experts_forward(weight_format=...)`` against (a) the same
     program on the dequantized weights (bf16 / f32) and (b) the float64
     layer on the float64-dequantized weights. gpt_oss: interleaved clamped
-    SwiGLU with both biases."""
+    SwiGLU with both biases. ``fused=True``: the fused experts kernel on the
+    quantized weights (int8, fp8), past the rule that keeps decode-sized
+    groups on the two matmuls."""
     from moe_experts_tpu.experts import program
 
     rng = np.random.default_rng(SEED)
@@ -531,7 +534,7 @@ def test_experts_program_matches_the_program_on_dequantized_weights(fmt_name, ga
     got = program.experts_forward(
         jnp.asarray(x, dtype), jnp.asarray(ids), jnp.asarray(weights), jnp.asarray(up_v), jnp.asarray(down_v),
         **{k: jnp.asarray(v) for k, v in biases.items()}, up_scales=jnp.asarray(up_s),
-        down_scales=jnp.asarray(down_s), weight_format=fmt_name, gate=gate, interpret=interp)
+        down_scales=jnp.asarray(down_s), weight_format=fmt_name, gate=gate, fused=fused, interpret=interp)
     assert got.dtype == dtype
     up_w = reference.dequantize_weights(up_v, up_s, fmt_name)
     down_w = reference.dequantize_weights(down_v, down_s, fmt_name)
@@ -562,9 +565,14 @@ def test_experts_program_refuses_quantized_misuse():
     down_v, down_s = _moderate_weights(rng, "int8", 2, 128, 128)
     args = (jnp.zeros((3, 128), jnp.bfloat16), jnp.zeros((3, 1), jnp.int32), jnp.ones((3, 1)),
             jnp.asarray(up_v), jnp.asarray(down_v))
-    with pytest.raises(ValueError, match="fused experts kernel does not read quantized"):
-        program.experts_forward(*args, up_scales=jnp.asarray(up_s), down_scales=jnp.asarray(down_s),
-                                weight_format="int8", fused=True)
+    with pytest.raises(ValueError, match="fused=True: the fused experts kernel runs GLU gates without biases"):
+        program.experts_forward(*args, up_bias=jnp.zeros((2, 256)), up_scales=jnp.asarray(up_s),
+                                down_scales=jnp.asarray(down_s), weight_format="int8", fused=True)
+    mx_up, mx_up_s = _moderate_weights(rng, "mxfp4", 2, 256, 128)
+    mx_down, mx_down_s = _moderate_weights(rng, "mxfp4", 2, 128, 128)
+    with pytest.raises(ValueError, match="fused experts kernel reads .*got 'mxfp4'"):
+        program.experts_forward(*args[:3], jnp.asarray(mx_up), jnp.asarray(mx_down), up_scales=jnp.asarray(mx_up_s),
+                                down_scales=jnp.asarray(mx_down_s), weight_format="mxfp4", fused=True)
     with pytest.raises(ValueError, match="rhs_layout='kn' is not supported"):
         program.experts_forward(*args, up_scales=jnp.asarray(up_s), down_scales=jnp.asarray(down_s),
                                 weight_format="int8", rhs_layout="kn")

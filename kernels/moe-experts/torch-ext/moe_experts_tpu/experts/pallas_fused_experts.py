@@ -53,26 +53,44 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ..common import pallas_helpers, tpu_generations
 from ..common.tile_math import sublane
-from ..gmm import pallas_gmm, tiling as tiling_lib
+from ..gmm import pallas_gmm, pallas_qgmm, quantized, tiling as tiling_lib
 from .gates import glu_activation, lowers_in_kernel
 
+# Quantized weights the kernel reads (``common.quant_formats``): int8 as it
+# is (its tile into the dot, the per-column scale on the f32 product, as
+# ``pallas_gmm``), fp8 decoded once per expert into a VMEM copy in the rows'
+# dtype (``pallas_qgmm.dequantize_fp8_operand``) that the expert's visits
+# share. mxfp4 is not read here: its decode pairs the lhs's even and odd K
+# columns (``pallas_qgmm``), which the in-kernel intermediate would need too.
+QUANTIZED_FORMATS = ("int8", "fp8")
 
-def working_set_bytes(tm: int, hidden: int, inter: int, itemsize: int, out_itemsize: int = 4) -> int:
+
+def working_set_bytes(tm: int, hidden: int, inter: int, itemsize: int, out_itemsize: int = 4,
+                      weight_format: str | None = None) -> int:
     """Double-buffered expert weights, x and out tiles (the experts program
     writes f32), and the f32 temporaries: gate and up, y, and the rows kept
-    from the previous visit of the tile."""
-    weights = 3 * inter * hidden * itemsize  # gate + up + down of one expert
+    from the previous visit of the tile. ``itemsize``: the rows' (and bf16
+    weights'); quantized weights take a byte each, and fp8 adds the decoded
+    expert (in the rows' dtype) and its expanded f32 scales."""
+    weights = 3 * inter * hidden * (itemsize if weight_format is None else 1)  # gate + up + down of one expert
     tiles = tm * hidden * itemsize + tm * hidden * out_itemsize  # x and out
-    return 2 * (weights + tiles) + 2 * tm * hidden * 4 + tm * 2 * inter * 4
+    total = 2 * (weights + tiles) + 2 * tm * hidden * 4 + tm * 2 * inter * 4
+    if weight_format == "fp8":
+        expanded = [pallas_qgmm.fp8_expanded_scales_shape(n, k) for n, k in ((2 * inter, hidden), (hidden, inter))]
+        total += 3 * inter * hidden * itemsize + sum(4 * r * c for r, c in expanded)
+    return total
 
 
 def fused_row_tile(gate: str, rhs_layout: str, m: int, hidden: int, inter: int, num_experts: int,
-                   itemsize: int, generation: str | None) -> int | None:
-    """Rows per tile for the fused kernel, or None where it cannot be used."""
+                   itemsize: int, generation: str | None, weight_format: str | None = None) -> int | None:
+    """Rows per tile for the fused kernel, or None where it cannot be used.
+    ``itemsize``: the rows' (bf16 weights are in the rows' dtype)."""
     if not gate.startswith("glu_") or not lowers_in_kernel(gate) or rhs_layout != "nk":
         return None
-    min_rows = sublane(itemsize)
-    if inter % min_rows:  # gate / up halves are row blocks of gate_up
+    if weight_format is not None and weight_format not in QUANTIZED_FORMATS:
+        return None
+    # gate / up halves are row blocks of gate_up (in the weights' native tiles)
+    if inter % max(sublane(itemsize), sublane(1) if weight_format else 1):
         return None
     tm = tiling_lib.choose_tiling(max(m, 1), hidden, 2 * inter, num_experts, lhs_itemsize=itemsize,
                                   rhs_itemsize=itemsize, out_itemsize=4, generation=generation).tm
@@ -82,10 +100,10 @@ def fused_row_tile(gate: str, rhs_layout: str, m: int, hidden: int, inter: int, 
     # matmul's forward rule does: the same share of the large limit.
     fraction = tiling_lib.FORWARD_VMEM_FRACTION.get(chip.name)
     budget = chip.large_vmem_limit * fraction[0] // fraction[1] if fraction else chip.large_vmem_budget
-    while working_set_bytes(tm, hidden, inter, itemsize) > budget:
-        if tm <= min_rows:
+    while working_set_bytes(tm, hidden, inter, itemsize, weight_format=weight_format) > budget:
+        if tm <= sublane(itemsize):
             return None
-        tm = max(min_rows, tm // 2)
+        tm = max(sublane(itemsize), tm // 2)
     return tm
 
 
@@ -100,25 +118,57 @@ def fused_row_tile(gate: str, rhs_layout: str, m: int, hidden: int, inter: int, 
 HALVED_TILE_GENERATIONS = ("tpu7x",)
 
 
-def _kernel(*refs, tm: int, num_segments: int, activation, prefetch: pallas_gmm.WeightPrefetch | None,
-            masked_store: bool, halves: bool):
-    num_scalars = 5 + (3 if prefetch else 0)
+def _kernel(*refs, tm: int, inter: int, num_segments: int, activation, prefetch: pallas_gmm.WeightPrefetch | None,
+            masked_store: bool, halves: bool, weight_format: str | None):
+    # scalar prefetch (SMEM): the visit arrays (+ weight runs) (+ fp8: the visits that decode); x; the
+    # expert's weights (gate, up, down; fp8: gate_up, down; in HBM when prefetched) (+ their scales); out;
+    # scratch: the prefetched weight buffers and their semaphores (+ fp8: the decoded expert, expanded scales)
+    decodes = weight_format == "fp8"
+    num_weights = 2 if decodes else 3
+    num_scalars = 5 + (3 if prefetch else 0) + (1 if decodes else 0)
     seg_ref, tile_ref, seg_start_ref, seg_end_ref = refs[:4]
-    x_ref, gate_ref, up_ref, down_ref, out_ref = refs[num_scalars:num_scalars + 5]
+    x_ref = refs[num_scalars]
+    weight_refs = refs[num_scalars + 1:num_scalars + 1 + num_weights]
+    rest = refs[num_scalars + 1 + num_weights:]
+    scale_refs, rest = (rest[:2], rest[2:]) if weight_format else ((), rest)
+    out_ref, rest = rest[0], rest[1:]
     if prefetch:  # the expert's weights from the kernel's own pipeline (pallas_gmm.WeightPrefetch)
-        *bufs, sems = refs[num_scalars + 5:]
-        slot = prefetch.fetch((gate_ref, up_ref, down_ref), bufs, sems, *refs[5:8])
-        gate_ref, up_ref, down_ref = (buf.at[slot] for buf in bufs)
+        bufs, sems, rest = rest[:num_weights], rest[num_weights], rest[num_weights + 1:]
+        slot = prefetch.fetch(weight_refs, bufs, sems, *refs[5:8])
+        weight_refs = tuple(buf.at[slot] for buf in bufs)
     v = pl.program_id(0)
+    if decodes:  # the expert into VMEM in the rows' dtype, at its first visit; its other visits reuse it
+        wq_up, wq_down, expanded_up, expanded_down = rest
+
+        @pl.when(refs[num_scalars - 1][v] == 1)
+        def _decode():
+            pallas_qgmm.dequantize_fp8_operand(weight_refs[0], scale_refs[0], expanded_up, wq_up)
+            pallas_qgmm.dequantize_fp8_operand(weight_refs[1], scale_refs[1], expanded_down, wq_down)
+
+        gate_ref, up_ref, down_ref = wq_up.at[pl.ds(0, inter)], wq_up.at[pl.ds(inter, inter)], wq_down
+    else:
+        gate_ref, up_ref, down_ref = weight_refs
     seg = seg_ref[v]
     is_local = (seg > 0) & (seg < num_segments - 1)
     start, end = seg_start_ref[seg], seg_end_ref[seg]
     tile_row = tile_ref[v] * tm
-    dot = functools.partial(pallas_helpers.dot_f32, contract_x=1, contract_w=1)
+    act_dtype = x_ref.dtype if weight_format else down_ref.dtype
+
+    def project(x, w_ref, scale=None):
+        w = w_ref[...]
+        if w.dtype == jnp.int8 and x.dtype == jnp.float32:
+            w = w.astype(jnp.float32)  # exact; a bf16 row tile takes the int8 tile as it is (pallas_gmm)
+        product = pallas_helpers.dot_f32(x, w, 1, 1)
+        return product if scale is None else product * scale  # int8: each output column's scale
 
     def rows_out(x):
-        h = (activation(dot(x, gate_ref[...])) * dot(x, up_ref[...])).astype(down_ref.dtype)
-        return dot(h, down_ref[...])
+        if weight_format == "int8":
+            up_scales = scale_refs[0][...]  # [2, I]: the gate half's, then the up half's
+            scales = (up_scales[0:1], up_scales[1:2], scale_refs[1][...])
+        else:
+            scales = (None, None, None)
+        h = activation(project(x, gate_ref, scales[0])) * project(x, up_ref, scales[1])
+        return project(h.astype(act_dtype), down_ref, scales[2])
 
     if not halves:  # the whole tile, merged into the block
         y = jnp.where(is_local, rows_out(x_ref[...]), 0.0)
@@ -138,17 +188,43 @@ def _kernel(*refs, tm: int, num_segments: int, activation, prefetch: pallas_gmm.
         pallas_gmm.store_visit_rows(out_ref, jnp.zeros(out_ref.shape, jnp.float32), v, tile_ref, tm, start, end)
 
 
+def check_quantized_args(x, gate_up, down, up_scales, down_scales, weight_format: str) -> None:
+    """Each array against ``weight_format`` (ValueError naming the argument)."""
+    if weight_format not in QUANTIZED_FORMATS:
+        raise ValueError(f"weight_format: the fused experts kernel reads {QUANTIZED_FORMATS} weights, got "
+                         f"{weight_format!r} (mxfp4: the two grouped matmuls)")
+    quantized.check_quantized_gmm_args(x, gate_up, up_scales, weight_format, "nk")
+    inter = gate_up.shape[1] // 2
+    try:
+        quantized.check_quantized_gmm_args(jax.ShapeDtypeStruct((x.shape[0], inter), x.dtype), down, down_scales,
+                                           weight_format, "nk")
+    except ValueError as e:  # the same checks, named for the down projection
+        raise ValueError(f"down / down_scales (the [E, H, I] down projection): {e}") from None
+    if down.shape[:2] != (gate_up.shape[0], x.shape[1]):
+        raise ValueError(f"down must be [E, H, I] = [{gate_up.shape[0]}, {x.shape[1]}, {inter}] for gate_up of "
+                         f"shape {tuple(gate_up.shape)}, got {tuple(down.shape)}")
+
+
 def fused_glu_experts(x, gate_up, down, group_sizes, *, gate: str, out_dtype=None,
-                      tm: int | None = None, generation: str | None = None, interpret=False):
-    """``down[g] @ (act(gate_up[g][:I] @ x) * (gate_up[g][I:] @ x))`` per row of group g."""
+                      tm: int | None = None, generation: str | None = None, interpret=False,
+                      up_scales=None, down_scales=None, weight_format: str | None = None):
+    """``down[g] @ (act(gate_up[g][:I] @ x) * (gate_up[g][I:] @ x))`` per row of group g.
+    With ``weight_format`` ("int8" | "fp8", ``QUANTIZED_FORMATS``), ``gate_up``
+    and ``down`` are that format's values ("nk") and ``up_scales`` /
+    ``down_scales`` their scales (``common.quant_formats``); x is bf16 or f32."""
     m, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter = two_inter // 2
     out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if weight_format is not None:
+        check_quantized_args(x, gate_up, down, up_scales, down_scales, weight_format)
+    elif up_scales is not None or down_scales is not None:
+        raise ValueError("up_scales / down_scales given without weight_format ('int8' or 'fp8')")
     if m == 0:
         return jnp.zeros((0, hidden), out_dtype)
     if tm is None:  # the kernel's own rule (also where a caller forces this kernel past the program's rule)
-        tm = fused_row_tile(gate, "nk", m, hidden, inter, num_experts, gate_up.dtype.itemsize, generation)
+        itemsize = x.dtype.itemsize if weight_format else gate_up.dtype.itemsize
+        tm = fused_row_tile(gate, "nk", m, hidden, inter, num_experts, itemsize, generation, weight_format)
         if tm is None:
             raise ValueError(f"fused_glu_experts: no row tile runs gate={gate!r} with experts of shape "
                              f"{tuple(gate_up.shape)} ({gate_up.dtype}) on {generation or 'this device'} "
@@ -156,41 +232,62 @@ def fused_glu_experts(x, gate_up, down, group_sizes, *, gate: str, out_dtype=Non
     seg, tile, num_visits, seg_starts, seg_ends, weight_group = pallas_gmm.forward_visits(
         group_sizes, 0, num_experts, m=m, tm=tm
     )
+    decodes = weight_format == "fp8"
 
     # Idle visits (rows of remote experts, past the sum) keep the resident expert.
-    def expert_block(half):
-        return lambda v, seg, tile, starts, ends, group, *_: (group[v], half, 0)
+    def expert_block(*index):
+        return lambda v, seg, tile, starts, ends, group, *_: (group[v], *index)
 
-    in_specs = [
-        pl.BlockSpec((tm, hidden), lambda v, seg, tile, *_: (tile[v], 0)),
-        pl.BlockSpec((pl.Squeezed(), inter, hidden), expert_block(0)),
-        pl.BlockSpec((pl.Squeezed(), inter, hidden), expert_block(1)),
-        pl.BlockSpec((pl.Squeezed(), hidden, inter), expert_block(0)),
-    ]
+    if decodes:  # gate_up whole: a 128 x 128 scale block may straddle its halves (I = 704)
+        weight_specs = [pl.BlockSpec((pl.Squeezed(), two_inter, hidden), expert_block(0, 0)),
+                        pl.BlockSpec((pl.Squeezed(), hidden, inter), expert_block(0, 0))]
+        blocks = (pallas_gmm.WeightBlock("nk", two_inter, two_inter, hidden),
+                  pallas_gmm.WeightBlock("nk", hidden, hidden, inter))
+    else:
+        weight_specs = [pl.BlockSpec((pl.Squeezed(), inter, hidden), expert_block(0, 0)),
+                        pl.BlockSpec((pl.Squeezed(), inter, hidden), expert_block(1, 0)),
+                        pl.BlockSpec((pl.Squeezed(), hidden, inter), expert_block(0, 0))]
+        blocks = (pallas_gmm.WeightBlock("nk", inter, inter, hidden, 0),
+                  pallas_gmm.WeightBlock("nk", inter, inter, hidden, 1),
+                  pallas_gmm.WeightBlock("nk", hidden, hidden, inter))
+    scales, scale_specs = [], []
+    if weight_format == "int8":  # per output column: [E, 2, I] (gate half, up half) and [E, 1, H]
+        scales = [up_scales.reshape(num_experts, 2, inter), down_scales.reshape(num_experts, 1, hidden)]
+    elif decodes:  # the expert's whole [N/128, K/128] block scales, a few KB
+        scales = [up_scales, down_scales]
+    scale_specs = [pl.BlockSpec((pl.Squeezed(), *s.shape[1:]), expert_block(0, 0)) for s in scales]
+    x_spec = pl.BlockSpec((tm, hidden), lambda v, seg, tile, *_: (tile[v], 0))
     out_spec = pl.BlockSpec((tm, hidden), lambda v, seg, tile, *_: (tile[v], 0))
     scalars, scratch, prefetch = [seg, tile, seg_starts, seg_ends, weight_group], [], None
     if pallas_gmm.prefetches_weights(True, generation):
         # Whole experts, a run of visits ahead (see pallas_gmm.WeightPrefetch).
-        prefetch = pallas_gmm.WeightPrefetch((pallas_gmm.WeightBlock("nk", inter, inter, hidden, 0),
-                                              pallas_gmm.WeightBlock("nk", inter, inter, hidden, 1),
-                                              pallas_gmm.WeightBlock("nk", hidden, hidden, inter)),
-                                             column_axis=None, visit_axis=0)
+        prefetch = pallas_gmm.WeightPrefetch(blocks, column_axis=None, visit_axis=0)
         scalars += list(pallas_gmm.weight_runs(weight_group, num_visits))
-        in_specs[1:] = [pl.BlockSpec(memory_space=pl.ANY)] * 3
+        weight_specs = [pl.BlockSpec(memory_space=pl.ANY)] * len(blocks)
         scratch = prefetch.scratch(gate_up.dtype)
-    kernel = functools.partial(_kernel, tm=tm, num_segments=num_experts + 2,
+    if decodes:
+        scalars.append(pallas_qgmm.dequantizing_visits(seg, num_experts, 1))
+        scratch += [pltpu.VMEM((two_inter, hidden), x.dtype), pltpu.VMEM((hidden, inter), x.dtype),
+                    pltpu.VMEM(pallas_qgmm.fp8_expanded_scales_shape(two_inter, hidden), jnp.float32),
+                    pltpu.VMEM(pallas_qgmm.fp8_expanded_scales_shape(hidden, inter), jnp.float32)]
+    kernel = functools.partial(_kernel, tm=tm, inter=inter, num_segments=num_experts + 2,
                                activation=glu_activation(gate), prefetch=prefetch, masked_store=not interpret,
                                halves=tm >= pallas_gmm.MIN_HALVED_TILE
-                               and tpu_generations.get_generation(generation).name in HALVED_TILE_GENERATIONS)
-    halves = gate_up.reshape(num_experts, 2, inter, hidden) if prefetch else gate_up
+                               and tpu_generations.get_generation(generation).name in HALVED_TILE_GENERATIONS,
+                               weight_format=weight_format)
+    weights = (gate_up, down)
+    if not decodes:
+        halves = gate_up.reshape(num_experts, 2, inter, hidden) if prefetch else gate_up
+        weights = (halves, halves, down)
     return pl.pallas_call(
         kernel,
         out_shape=pallas_helpers.out_struct((m, hidden), out_dtype, x, gate_up, down, group_sizes),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(scalars), grid=(num_visits,), in_specs=in_specs, out_specs=out_spec,
+            num_scalar_prefetch=len(scalars), grid=(num_visits,),
+            in_specs=[x_spec, *weight_specs, *scale_specs], out_specs=out_spec,
             scratch_shapes=scratch,
         ),
         compiler_params=pallas_helpers.compiler_params(generation, ("arbitrary",), large_vmem=True),
         interpret=interpret,
-        name="fused_glu_experts",
-    )(*scalars, x, halves, halves, down)
+        name="fused_glu_experts" if weight_format is None else f"fused_glu_experts_{weight_format}",
+    )(*scalars, x, *weights, *scales)

@@ -28,13 +28,15 @@ estimator has the two matmuls ahead.
 
 Quantized weights (``weight_format`` "int8" | "fp8" | "mxfp4", values in
 ``up_weight`` / ``down_weight`` stored "nk", scales in ``up_scales`` /
-``down_scales``: ``common.quant_formats``) always take the two grouped
-matmuls (int8 in ``pallas_gmm``'s kernel as it is, fp8 / mxfp4 decoded in
-VMEM by ``pallas_qgmm``), the gate at the up projection's store where
+``down_scales``: ``common.quant_formats``) take the fused kernel where it
+fits and ``FUSED_QUANTIZED_FROM_ROWS_PER_GROUP`` says so (int8 as it is, fp8
+decoded once per expert in VMEM; not mxfp4), else the two grouped matmuls
+(int8 in ``pallas_gmm``'s kernel as it is, fp8 / mxfp4 decoded in VMEM by
+``pallas_qgmm``), the gate at the up projection's store where
 ``gated_store_applies`` (int8 always; fp8 / mxfp4 where both halves of a
-column tile are in one step: gpt-oss, Qwen3-30B-A3B, not Mixtral-8x7B); the
-fused kernel reads bf16 / f32 weights only. Activations stay in the
-hidden states' dtype (bf16, or f32 for f32 hidden states).
+column tile are in one step: gpt-oss, Qwen3-30B-A3B, not Mixtral-8x7B).
+Activations stay in the hidden states' dtype (bf16, or f32 for f32 hidden
+states).
 
 The gate is named, not traced from the module, because a JAX program cannot
 call the module's torch code: ``module_layout.gate_of_module`` maps the module
@@ -233,22 +235,34 @@ def gated_store_applies(x, up_weight, halves, rhs_layout, weight_format, generat
 def _quantized_experts(hidden_states, ids, order, sorted_ids, group_sizes, top_k_weights, top_k, up_weight,
                        down_weight, up_bias, down_bias, up_scales, down_scales, *, weight_format, gate, alpha,
                        limit, rhs_layout, fused, generation, out_dtype, interpret, group_align=None):
-    """The two grouped matmuls on quantized weights (see the module docstring)."""
-    if fused:
-        raise ValueError(f"fused=True: the fused experts kernel does not read quantized weights "
-                         f"(weight_format={weight_format!r}); leave fused=None")
+    """The experts on quantized weights: the fused kernel where
+    ``fused_kernel_row_tile`` takes it (or ``fused=True``), else the two
+    grouped matmuls (see the module docstring)."""
     if rhs_layout != "nk":
         raise ValueError(f"quantized weights (weight_format={weight_format!r}) are stored \"nk\"; "
                          f"rhs_layout={rhs_layout!r} is not supported")
     num_experts = up_weight.shape[0]
     safe_ids = jnp.minimum(sorted_ids, num_experts - 1)
     act_dtype = jnp.float32 if hidden_states.dtype == jnp.float32 else jnp.bfloat16
+    fused_tm = fused_kernel_row_tile(ids.shape[0], up_weight, down_weight, up_bias, down_bias, gate, rhs_layout,
+                                     generation, weight_format, jnp.dtype(act_dtype).itemsize)
+    if fused and (up_bias is not None or down_bias is not None or not gate.startswith("glu_")):
+        raise ValueError(f"fused=True: the fused experts kernel runs GLU gates without biases, got gate={gate!r}"
+                         f"{' with biases' if up_bias is not None or down_bias is not None else ''}; "
+                         "leave fused=None")
+    fused = fused_tm is not None if fused is None else fused
     layout = AlignedRows.of(sorted_ids, group_sizes, group_align or 1)  # the rule is bf16's (not measured here)
     x = hidden_states[layout.spread(order // top_k)].astype(act_dtype)
-    out = two_matmuls(x, up_weight, down_weight, layout.group_sizes, up_bias=up_bias,
-                      safe_ids=layout.spread(safe_ids), gate=gate, alpha=alpha, limit=limit, rhs_layout=rhs_layout,
-                      generation=generation, interpret=interpret, up_scales=up_scales, down_scales=down_scales,
-                      weight_format=weight_format, out_dtype=act_dtype)
+    if fused:  # the kernel's own row tile when forced past the rule (it refuses an expert that does not fit)
+        out = pallas_fused_experts.fused_glu_experts(
+            x, up_weight, down_weight, layout.group_sizes, gate=gate, out_dtype=act_dtype, tm=fused_tm,
+            generation=generation, interpret=interpret, up_scales=up_scales, down_scales=down_scales,
+            weight_format=weight_format)
+    else:
+        out = two_matmuls(x, up_weight, down_weight, layout.group_sizes, up_bias=up_bias,
+                          safe_ids=layout.spread(safe_ids), gate=gate, alpha=alpha, limit=limit,
+                          rhs_layout=rhs_layout, generation=generation, interpret=interpret, up_scales=up_scales,
+                          down_scales=down_scales, weight_format=weight_format, out_dtype=act_dtype)
     return _combine(out, layout.rows_of_slots(order), ids, num_experts, top_k_weights, out_dtype, down_bias)
 
 
@@ -265,17 +279,52 @@ def _quantized_experts(hidden_states, ids, order, sorted_ids, group_sizes, top_k
 TWO_MATMULS_FROM_ROWS_PER_GROUP = {"v5e": 256}
 
 
-def fused_kernel_row_tile(m, up_weight, down_weight, up_bias, down_bias, gate, rhs_layout, generation):
+# Quantized weights take the fused kernel (``pallas_fused_experts``: int8
+# as it is, fp8 decoded once per expert in VMEM) from these rows a group on;
+# a generation not named keeps the two grouped matmuls (v5e, v4, v5p: not
+# measured). TPU estimator, the layer (``bench_quantized_estimates``, two
+# matmuls -> fused, us; Qwen3-30B-A3B / Gemma-4-26B-A4B, 128 experts, top 8):
+# - int8, v6e: 8 tokens (0.5 rows a group) 148.9 -> 148.3 / 188.1 -> 186.5,
+#   64 tokens (4) 382.2 -> 382.1 / 482.8 -> 507.0, 512 (32) 438.4 -> 436.2 /
+#   575.2 -> 582.3, 1024 (64) 527.7 -> 484.5 / 699.0 -> 646.7, 2048 (128)
+#   708.4 -> 581.2 / 935.1 -> 775.6, 4096 (256) 897.9 -> 770.7 / 1154.5 ->
+#   1029.4. tpu7x: 1 token 18.5 -> 16.6 / 23.7 -> 23.0, 64 tokens 278.5 ->
+#   227.8 / 358.2 -> 320.8, 512 349.7 -> 285.5 / 449.0 -> 401.3, 4096 688.6
+#   -> 575.8 / 887.9 -> 777.4 (the weights' whole-expert fetch and no
+#   intermediate in HBM; tpu7x's two int8 matmuls sit at 1.7x their roofline).
+# - fp8 (the decode, ~4 us an expert of 4.7 M weights on v6e, is paid once
+#   per expert; the K-sliced two matmuls pay per row): v6e 512 tokens 633.2 ->
+#   1238.9, 2048 1002.7 -> 1384.9, 4096 1805.2 -> 1576.9 / 2330.7 -> 2060.2;
+#   tpu7x 512 416.8 -> 512.6, 2048 650.2 -> 637.8 / 829.1 -> 848.1, 4096
+#   878.4 -> 797.4 / 1158.7 -> 1060.6.
+FUSED_QUANTIZED_FROM_ROWS_PER_GROUP = {
+    "int8": {"v6e": 64, "tpu7x": 0},
+    "fp8": {"v6e": 256, "tpu7x": 256},
+}
+
+
+def fused_kernel_row_tile(m, up_weight, down_weight, up_bias, down_bias, gate, rhs_layout, generation,
+                          weight_format: str | None = None, act_itemsize: int | None = None):
     """The documented rule of the module docstring: the fused kernel's row
-    tile, or None when the two grouped matmuls must be used."""
+    tile, or None when the two grouped matmuls must be used. Quantized
+    weights (``weight_format``, rows of ``act_itemsize`` bytes): from
+    ``FUSED_QUANTIZED_FROM_ROWS_PER_GROUP`` rows a group."""
     if up_bias is not None or down_bias is not None or up_weight.dtype != down_weight.dtype:
         return None
     num_experts, two_inter, hidden = up_weight.shape
-    two_matmuls_from = TWO_MATMULS_FROM_ROWS_PER_GROUP.get(tpu_generations.get_generation(generation).name)
-    if two_matmuls_from and tiling.rows_per_group(m, num_experts) >= two_matmuls_from:
-        return None
+    chip = tpu_generations.get_generation(generation).name
+    rows_per_group = tiling.rows_per_group(m, num_experts)
+    if weight_format is None:
+        two_matmuls_from = TWO_MATMULS_FROM_ROWS_PER_GROUP.get(chip)
+        if two_matmuls_from and rows_per_group >= two_matmuls_from:
+            return None
+    else:
+        fused_from = FUSED_QUANTIZED_FROM_ROWS_PER_GROUP.get(weight_format, {}).get(chip)
+        if fused_from is None or rows_per_group < fused_from:
+            return None
     return pallas_fused_experts.fused_row_tile(gate, rhs_layout, m, hidden, two_inter // 2, num_experts,
-                                               up_weight.dtype.itemsize, generation)
+                                               act_itemsize or up_weight.dtype.itemsize, generation,
+                                               weight_format)
 
 
 def _combine(out, rows, ids, num_experts: int, top_k_weights, dtype, down_bias=None):

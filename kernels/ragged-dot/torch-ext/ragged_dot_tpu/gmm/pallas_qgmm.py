@@ -321,6 +321,23 @@ def _dequantize_fp8(values_ref, expanded_ref, wq_ref, *, tn, tk, valid):
     _for_row_blocks(tn, block)
 
 
+def fp8_expanded_scales_shape(n: int, k: int) -> tuple[int, int]:
+    """The f32 scratch ``dequantize_fp8_operand`` expands an ``[N, K]``
+    operand's block scales into: one row per 128 weight rows (padded to whole
+    8-row tiles), one column per K column."""
+    return (-(-cdiv(n, FP8_BLOCK) // 8) * 8, k)
+
+
+def dequantize_fp8_operand(values_ref, scales_ref, expanded_ref, wq_ref):
+    """A whole ``[N, K]`` fp8 operand (one expert's weights, ``scales_ref``
+    its ``[N/128, K/128]`` block scales) into ``wq_ref`` in its dtype: the
+    weights of the dequantized tile (value x scale in f32, rounded once).
+    The fused experts kernel decodes each expert this way once."""
+    n, k = values_ref.shape
+    _expand_fp8_scales(scales_ref, expanded_ref, 0, 0, tn=n, tk=k, tiles_n=1)
+    _dequantize_fp8(values_ref, expanded_ref, wq_ref, tn=n, tk=k, valid=None)
+
+
 def _e8m0_scales_per_byte(scales_ref, rows, first_byte: int, width: int):
     """float32 scales of packed columns ``[first_byte, first_byte + width)``
     (one e8m0 code per 16 bytes), repeated along lanes with one in-vreg lane

@@ -1,0 +1,143 @@
+"""The fused experts kernel on quantized weights (int8 as it is, fp8 decoded
+once per expert in VMEM) in interpret mode against a float64 loop over the
+dequantized weights (tests/reference.py), with the interpreter's poisoned
+memory: an output element never written reads NaN and fails.
+
+Shapes are chosen against the kernel's seams: I = 96, so fp8's first 128-row
+scale block of gate_up straddles the gate and up halves; H = 200, neither
+whole 128-column scale blocks nor whole lanes; ragged, empty and all-empty
+groups, rows past the groups' sum. Generations: tpu7x (weights fetched by the
+kernel a run ahead, 256-row tiles computed by halves), v6e (fetched by the
+kernel, whole tiles), v4 (the grid's pipeline).
+
+Measured error (max |got - want| / max |want|, 3 seeds): f32 rows 2e-7
+(int8) and 1e-7 (fp8); bf16 rows 4e-3 (int8) and 5e-3 (fp8): the bf16
+rounding of the rows, of the gated intermediate and of fp8's value x scale.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import reference
+from moe_experts_tpu.common import pallas_helpers
+from moe_experts_tpu.experts import pallas_fused_experts
+from test_quantized_gmm import random_weights
+
+SEED = int(os.environ.get("TEST_SEED", np.random.SeedSequence().entropy % (2**31)))
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+H, I, E = 200, 96, 5
+
+
+def _inputs(rng, fmt_name, m, kind, dtype):
+    x = np.asarray(jnp.asarray(rng.standard_normal((m, H)), dtype).astype(jnp.float32), np.float64)
+    up, up_scales = random_weights(rng, fmt_name, E, 2 * I, H)
+    down, down_scales = random_weights(rng, fmt_name, E, H, I)
+    # moderate magnitudes per expert (the activations stay finite and bf16 keeps its relative error)
+    def moderate(values, scales):
+        peak = np.abs(reference.dequantize_weights(values, scales, fmt_name)).max(axis=(1, 2))
+        return (scales / peak.reshape(-1, *(1,) * (scales.ndim - 1)) * 0.05).astype(np.float32)
+
+    up_scales, down_scales = moderate(up, up_scales), moderate(down, down_scales)
+    sizes = reference.random_group_sizes(rng, E, m, kind).astype(np.int32)
+    return x, up, up_scales.astype(np.float32), down, down_scales.astype(np.float32), sizes
+
+
+def _want(x, up, up_scales, down, down_scales, sizes, fmt_name):
+    gate_up = reference.dequantize_weights(up, up_scales, fmt_name)
+    down_w = reference.dequantize_weights(down, down_scales, fmt_name)
+    want = np.zeros((x.shape[0], H))
+    starts, ends = reference.bounds(sizes)
+    for g in range(E):
+        rows = x[starts[g]:ends[g]]
+        a, b = rows @ gate_up[g, :I].T, rows @ gate_up[g, I:].T
+        want[starts[g]:ends[g]] = (a / (1 + np.exp(-a)) * b) @ down_w[g].T
+    return want
+
+
+@pytest.mark.parametrize("kind", ["random", "with_zeros", "all_empty", "sum_below_m"])
+@pytest.mark.parametrize("generation,tm", [("tpu7x", 256), ("v6e", 32), ("v4", 32)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("fmt_name", ["int8", "fp8"])
+def test_fused_quantized_experts_match_float64(fmt_name, dtype, generation, tm, kind):
+    rng = np.random.default_rng([SEED, ["int8", "fp8"].index(fmt_name), dtype == jnp.bfloat16, tm,
+                                 ["random", "with_zeros", "all_empty", "sum_below_m"].index(kind)])
+    m = int(rng.integers(300, 600) if tm == 256 else rng.integers(1, 90))
+    x, up, up_scales, down, down_scales, sizes = _inputs(rng, fmt_name, m, kind, dtype)
+    got = pallas_fused_experts.fused_glu_experts(
+        jnp.asarray(x, dtype), jnp.asarray(up), jnp.asarray(down), jnp.asarray(sizes), gate="glu_silu",
+        tm=tm, generation=generation, interpret=pallas_helpers.interpret_params(),
+        up_scales=jnp.asarray(up_scales), down_scales=jnp.asarray(down_scales), weight_format=fmt_name)
+    assert got.dtype == dtype
+    got = np.asarray(got.astype(jnp.float32), np.float64)
+    what = f"{fmt_name} {generation} tm={tm} sizes={sizes.tolist()} seed={SEED}"
+    assert not np.isnan(got).any(), f"{what}: NaN (unwritten) elements"
+    want = _want(x, up, up_scales, down, down_scales, sizes, fmt_name)
+    err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
+    assert err <= TOL[dtype], f"{what}: relative error {err:.2e}"
+    if kind == "sum_below_m":
+        assert not got[sizes.sum():].any(), f"{what}: rows past the groups are not zero"
+
+
+def test_fused_quantized_rule_and_refusals():
+    """The rule sizes the working set with the quantized bytes (and fp8's
+    decoded expert); mxfp4 and mismatched arrays are refused by name."""
+    # Qwen3-30B-A3B at 4096 tokens on v6e: bf16, int8 and fp8 experts all fit with 256-row tiles
+    for fmt_name in (None, "int8", "fp8"):
+        assert pallas_fused_experts.fused_row_tile("glu_silu", "nk", 32768, 2048, 768, 128, 2, "v6e", fmt_name) == 256
+    # DeepSeek-V3's expert (I = 2048, H = 7168) fits nowhere in bf16, in int8 on v6e's 90 MiB
+    assert pallas_fused_experts.fused_row_tile("glu_silu", "nk", 4096, 7168, 2048, 256, 2, "v6e") is None
+    assert pallas_fused_experts.fused_row_tile("glu_silu", "nk", 4096, 7168, 2048, 256, 2, "tpu7x", "int8") is None
+    assert pallas_fused_experts.fused_row_tile("glu_silu", "nk", 4096, 2048, 768, 128, 2, "v6e", "mxfp4") is None
+    # fp8's decoded copy counts: an expert that fits as int8 may not as fp8
+    ws = pallas_fused_experts.working_set_bytes
+    assert ws(256, 2048, 768, 2, weight_format="fp8") - ws(256, 2048, 768, 2, weight_format="int8") >= 3 * 768 * 2048 * 2
+
+    x = jnp.zeros((8, 256), jnp.bfloat16)
+    sizes = jnp.array([4, 4], jnp.int32)
+    up, up_s = jnp.zeros((2, 256, 256), jnp.int8), jnp.ones((2, 256), jnp.float32)
+    down, down_s = jnp.zeros((2, 256, 128), jnp.int8), jnp.ones((2, 256), jnp.float32)
+    call = lambda **kw: jax.eval_shape(lambda: pallas_fused_experts.fused_glu_experts(  # noqa: E731
+        x, kw.get("up", up), kw.get("down", down), sizes, gate="glu_silu", generation="v6e",
+        up_scales=kw.get("up_s", up_s), down_scales=kw.get("down_s", down_s),
+        weight_format=kw.get("fmt", "int8")))
+    assert call().shape == (8, 256)
+    with pytest.raises(ValueError, match="reads .*'int8', 'fp8'.* got 'mxfp4'"):
+        call(fmt="mxfp4")
+    with pytest.raises(ValueError, match="down / down_scales .*rhs_scales must be float32 \\(2, 256\\)"):
+        call(down_s=jnp.ones((2, 128), jnp.float32))
+    with pytest.raises(ValueError, match="rhs_scales must be float32 \\(2, 256\\)"):
+        call(up_s=jnp.ones((2, 128), jnp.float32))
+    with pytest.raises(ValueError, match="without weight_format"):
+        jax.eval_shape(lambda: pallas_fused_experts.fused_glu_experts(
+            x, up.astype(jnp.bfloat16), down.astype(jnp.bfloat16), sizes, gate="glu_silu", up_scales=up_s))
+
+
+@pytest.mark.parametrize("generation", ["v4", "v5e", "v5p", "v6e", "tpu7x"])
+@pytest.mark.parametrize("fmt_name", ["int8", "fp8"])
+def test_fused_quantized_experts_compile_for_tpu_generations(fmt_name, generation):
+    """The kernel lowers through Mosaic on every generation at Qwen3-30B-A3B's
+    expert (H = 2048, I = 768; 8 of its 128 experts) with bf16 rows, the rule's
+    row tile at 32 and 256 rows a group, and at Gemma-4-26B-A4B's (I = 704:
+    fp8's scale block straddles the gate and up halves; v4 at smaller experts,
+    which its VMEM holds); the kernel's own weight
+    pipeline on v5e / v6e / tpu7x, the grid's on v4 / v5p."""
+    pytest.importorskip("libtpu")
+    from moe_experts_tpu.common import aot, quant_formats
+
+    fmt = quant_formats.weight_format(fmt_name)
+    shapes = ((256, 2048, 768, 8), (2048, 2048, 768, 8), (512, 2816, 704, 8))
+    if generation == "v4":  # 16 MiB of VMEM: no whole Qwen3 expert; I = 224 straddles a scale block too
+        shapes = ((256, 1024, 256, 8), (1024, 1024, 224, 8))
+    for m, hidden, inter, e in shapes:
+        aot.compile_for(generation, lambda x, up, up_s, down, down_s, gs: pallas_fused_experts.fused_glu_experts(
+            x, up, down, gs, gate="glu_silu", generation=generation, up_scales=up_s, down_scales=down_s,
+            weight_format=fmt_name),
+            ((m, hidden), jnp.bfloat16),
+            (fmt.values_shape(e, 2 * inter, hidden), jnp.dtype(fmt.values_dtype)),
+            (fmt.scales_shape(e, 2 * inter, hidden), jnp.dtype(fmt.scales_dtype)),
+            (fmt.values_shape(e, hidden, inter), jnp.dtype(fmt.values_dtype)),
+            (fmt.scales_shape(e, hidden, inter), jnp.dtype(fmt.scales_dtype)), ((e,), jnp.int32))
