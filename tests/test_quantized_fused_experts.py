@@ -10,9 +10,11 @@ groups, rows past the groups' sum. Generations: tpu7x (weights fetched by the
 kernel a run ahead, 256-row tiles computed by halves), v6e (fetched by the
 kernel, whole tiles), v4 (the grid's pipeline).
 
-Measured error (max |got - want| / max |want|, 3 seeds): f32 rows 2e-7
-(int8) and 1e-7 (fp8); bf16 rows 4e-3 (int8) and 5e-3 (fp8): the bf16
-rounding of the rows, of the gated intermediate and of fp8's value x scale.
+Measured error (max |got - want| / max |want|, seeds 0-2, the tpu7x and v6e
+cases of the test with random groups): f32 rows 5.8e-7
+(int8) and 4.6e-7 (fp8); bf16 rows 3.6e-3 (int8) and 6.4e-3 (fp8): the
+bf16 rounding of the gated intermediate and of fp8's value x scale (the
+reference takes the bf16-rounded rows).
 """
 
 import os
@@ -28,7 +30,7 @@ from moe_experts_tpu.experts import pallas_fused_experts
 from test_quantized_gmm import random_weights
 
 SEED = int(os.environ.get("TEST_SEED", np.random.SeedSequence().entropy % (2**31)))
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 H, I, E = 200, 96, 5
 
 
