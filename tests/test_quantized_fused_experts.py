@@ -143,3 +143,27 @@ def test_fused_quantized_experts_compile_for_tpu_generations(fmt_name, generatio
             (fmt.scales_shape(e, 2 * inter, hidden), jnp.dtype(fmt.scales_dtype)),
             (fmt.values_shape(e, hidden, inter), jnp.dtype(fmt.values_dtype)),
             (fmt.scales_shape(e, hidden, inter), jnp.dtype(fmt.scales_dtype)), ((e,), jnp.int32))
+
+
+def test_program_takes_the_fused_kernel_by_the_rule():
+    """``program.fused_kernel_row_tile`` with quantized weights follows
+    ``FUSED_QUANTIZED_FROM_ROWS_PER_GROUP`` (and v5e's bf16 limit), at
+    Qwen3-30B-A3B's experts: the estimates that chose it are in its comment."""
+    from moe_experts_tpu.experts import program
+
+    def tile(fmt_name, chip, rows_per_group, gate="glu_silu", bias=None):
+        up = jax.ShapeDtypeStruct((128, 1536, 2048), jnp.int8 if fmt_name == "int8" else jnp.float8_e4m3fn)
+        down = jax.ShapeDtypeStruct((128, 2048, 768), up.dtype)
+        return program.fused_kernel_row_tile(128 * rows_per_group, up, down, bias, None, gate, "nk", chip,
+                                             fmt_name, 2)
+
+    assert tile("int8", "v6e", 32) is None and tile("int8", "v6e", 64) is not None
+    assert tile("int8", "tpu7x", 1) is not None
+    assert tile("int8", "v5e", 1) is None and tile("int8", "v5e", 4) is not None
+    assert tile("int8", "v5e", 256) is None  # v5e's two matmuls from 256 rows a group, any format
+    assert tile("fp8", "v6e", 128) is None and tile("fp8", "v6e", 256) is not None
+    assert tile("fp8", "tpu7x", 256) is not None and tile("fp8", "v5e", 64) is None
+    assert tile("int8", "v4", 64) is None and tile("int8", "v5p", 64) is None  # not measured
+    assert tile("mxfp4", "v6e", 256) is None
+    assert tile("int8", "v6e", 256, gate="gpt_oss") is None
+    assert tile("int8", "v6e", 256, bias=jax.ShapeDtypeStruct((128, 1536), jnp.float32)) is None

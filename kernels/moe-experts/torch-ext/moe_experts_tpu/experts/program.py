@@ -281,8 +281,9 @@ TWO_MATMULS_FROM_ROWS_PER_GROUP = {"v5e": 256}
 
 # Quantized weights take the fused kernel (``pallas_fused_experts``: int8
 # as it is, fp8 decoded once per expert in VMEM) from these rows a group on;
-# a generation not named keeps the two grouped matmuls (v5e, v4, v5p: not
-# measured). TPU estimator, the layer (``bench_quantized_estimates``, two
+# a generation not named keeps the two grouped matmuls (v4, v5p: not
+# measured), and v5e's ``TWO_MATMULS_FROM_ROWS_PER_GROUP`` holds for every
+# format. TPU estimator, the layer (``bench_quantized_estimates``, two
 # matmuls -> fused, us; Qwen3-30B-A3B / Gemma-4-26B-A4B, 128 experts, top 8):
 # - int8, v6e: 8 tokens (0.5 rows a group) 148.9 -> 148.3 / 188.1 -> 186.5,
 #   64 tokens (4) 382.2 -> 382.1 / 482.8 -> 507.0, 512 (32) 438.4 -> 436.2 /
@@ -292,13 +293,18 @@ TWO_MATMULS_FROM_ROWS_PER_GROUP = {"v5e": 256}
 #   227.8 / 358.2 -> 320.8, 512 349.7 -> 285.5 / 449.0 -> 401.3, 4096 688.6
 #   -> 575.8 / 887.9 -> 777.4 (the weights' whole-expert fetch and no
 #   intermediate in HBM; tpu7x's two int8 matmuls sit at 1.7x their roofline).
+#   v5e: 8 tokens (1 row a group) 294.5 -> 296.1 / 372.3 -> 372.4, 64 tokens
+#   892.7 -> 824.3 / 1188.9 -> 1117.0, 512 1114.0 -> 1023.4 / 1488.1 ->
+#   1389.2, 4096 2404.7 -> 2456.8 / 3163.4 -> 3336.1 (its 128-row tiles, as
+#   for bf16). fp8 on v5e loses everywhere (8 tokens 292.3 -> 542.6, 4096
+#   3099.8 -> 3410.8: v5e's K-sliced path at every size).
 # - fp8 (the decode, ~4 us an expert of 4.7 M weights on v6e, is paid once
 #   per expert; the K-sliced two matmuls pay per row): v6e 512 tokens 633.2 ->
 #   1238.9, 2048 1002.7 -> 1384.9, 4096 1805.2 -> 1576.9 / 2330.7 -> 2060.2;
 #   tpu7x 512 416.8 -> 512.6, 2048 650.2 -> 637.8 / 829.1 -> 848.1, 4096
 #   878.4 -> 797.4 / 1158.7 -> 1060.6.
 FUSED_QUANTIZED_FROM_ROWS_PER_GROUP = {
-    "int8": {"v6e": 64, "tpu7x": 0},
+    "int8": {"v5e": 2, "v6e": 64, "tpu7x": 0},
     "fp8": {"v6e": 256, "tpu7x": 256},
 }
 
@@ -314,11 +320,10 @@ def fused_kernel_row_tile(m, up_weight, down_weight, up_bias, down_bias, gate, r
     num_experts, two_inter, hidden = up_weight.shape
     chip = tpu_generations.get_generation(generation).name
     rows_per_group = tiling.rows_per_group(m, num_experts)
-    if weight_format is None:
-        two_matmuls_from = TWO_MATMULS_FROM_ROWS_PER_GROUP.get(chip)
-        if two_matmuls_from and rows_per_group >= two_matmuls_from:
-            return None
-    else:
+    two_matmuls_from = TWO_MATMULS_FROM_ROWS_PER_GROUP.get(chip)
+    if two_matmuls_from and rows_per_group >= two_matmuls_from:
+        return None
+    if weight_format is not None:
         fused_from = FUSED_QUANTIZED_FROM_ROWS_PER_GROUP.get(weight_format, {}).get(chip)
         if fused_from is None or rows_per_group < fused_from:
             return None
