@@ -8,6 +8,10 @@ fp8; marked ``*`` in the table), else ``two_matmuls(..., weight_format=...)``
 (the gate at the up projection's store where
 ``pallas_qgmm.gated_store_tiling`` allows it, else an XLA pass). A contender
 "int8 fused" / "fp8 fused" forces the fused kernel (its own row tile).
+Our contenders run on the rows as the experts program lays them out (each
+expert's rows aligned to 128 where ``program.group_alignment`` says, for
+bf16, and for a format where ``program.GROUP_ALIGN_QUANTIZED`` takes the
+rule; ``aligned_layer_args``), the peers on their own.
 Each contender is compared with its own roofline: the MXU time of the
 flops, or the HBM time of what it must move at least (rows in, bf16; the
 weights of every expert with rows, in the format: values + scales bytes,
@@ -142,9 +146,35 @@ def estimate_one(chip: str, model: str, tokens: int, contender: str) -> tuple[fl
     fmt_name, fused = contender.split()[0], contender.endswith("fused")
     gs, flops, min_bytes = problem(model, tokens, fmt_name)
     fn = layer_fn(fmt_name, MODELS[model][4], chip, fused)
-    est = tpu_estimator.estimate(fn, layer_args(fmt_name, model, tokens, gs), chip, flops=flops,
-                                 min_bytes=min_bytes)
+    est = tpu_estimator.estimate(fn, aligned_layer_args(fmt_name, model, tokens, gs, chip, fused), chip,
+                                 flops=flops, min_bytes=min_bytes)
     return est.seconds, est.roofline_s
+
+
+def aligned_layer_args(fmt_name: str, model: str, tokens: int, gs, chip: str, fused: bool):
+    """``layer_args`` on the rows as the experts program lays them out: where
+    ``program.group_alignment`` aligns each expert's rows for the path that
+    runs (tpu7x from 256 rows a group, v6e's two matmuls from 512, below
+    1024), ``rows + E x 127`` rows and the sizes rounded up (as
+    ``bench_tpu_estimates.aligned_rows`` does for bf16). The roofline stays the
+    problem's own."""
+    import jax
+
+    from moe_experts_tpu.experts import program
+
+    hidden, inter, experts, top_k, gate = MODELS[model]
+    rows = tokens * top_k
+    args = layer_args(fmt_name, model, tokens, gs)
+    if fmt_name != "bf16":
+        fused = fused or runs_fused(fmt_name, gate, chip, rows, args[1], args[3])
+        if chip not in program.GROUP_ALIGN_QUANTIZED.get(fmt_name, ()):
+            return args
+    align = program.group_alignment(rows, experts, fused, chip)
+    if align == 1:
+        return args
+    args[0] = jax.ShapeDtypeStruct((rows + experts * (align - 1), hidden), args[0].dtype)
+    args[-1] = ((gs + align - 1) // align * align).astype(np.int32)
+    return args
 
 
 _NAME = r"(\S+ fused|tpu-inference-gmm \S+|\S+)"

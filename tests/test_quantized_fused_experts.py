@@ -167,3 +167,42 @@ def test_program_takes_the_fused_kernel_by_the_rule():
     assert tile("mxfp4", "v6e", 256) is None
     assert tile("int8", "v6e", 256, gate="gpt_oss") is None
     assert tile("int8", "v6e", 256, bias=jax.ShapeDtypeStruct((128, 1536), jnp.float32)) is None
+
+
+@pytest.mark.parametrize("fmt_name", ["int8", "fp8"])
+def test_program_on_group_aligned_rows(fmt_name, monkeypatch):
+    """tpu7x from 256 rows an expert: the program aligns each expert's rows to
+    128 (``program.GROUP_ALIGN_QUANTIZED``) and runs the fused kernel on the
+    padded layout; the layer still matches float64 (padding rows never read
+    back, a remote pick adds nothing)."""
+    from moe_experts_tpu.experts import program
+
+    aligns = []
+    real = program.AlignedRows.of.__func__
+
+    def record(cls, sorted_ids, group_sizes, align):
+        aligns.append(align)
+        return real(cls, sorted_ids, group_sizes, align)
+
+    monkeypatch.setattr(program.AlignedRows, "of", classmethod(record))
+    rng = np.random.default_rng([SEED, 77, fmt_name == "fp8"])
+    tokens, experts = 601, 2
+    x = np.asarray(jnp.asarray(rng.standard_normal((tokens, H)), jnp.bfloat16).astype(jnp.float32), np.float64)
+    up, up_scales = random_weights(rng, fmt_name, experts, 2 * I, H)
+    down, down_scales = random_weights(rng, fmt_name, experts, H, I)
+    for values, scales in ((up, up_scales), (down, down_scales)):  # moderate magnitudes, per expert
+        peak = np.abs(reference.dequantize_weights(values, scales, fmt_name)).max(axis=(1, 2))
+        scales *= (0.05 / peak).reshape(-1, *(1,) * (scales.ndim - 1)).astype(np.float32)
+    ids = rng.integers(0, experts, size=(tokens, 1)).astype(np.int32)
+    ids[0, 0] = experts  # a remote pick
+    weights = rng.uniform(0.5, 1.0, size=(tokens, 1)).astype(np.float32)
+    got = program.experts_forward(
+        jnp.asarray(x, jnp.bfloat16), jnp.asarray(ids), jnp.asarray(weights), jnp.asarray(up), jnp.asarray(down),
+        up_scales=jnp.asarray(up_scales), down_scales=jnp.asarray(down_scales), weight_format=fmt_name,
+        gate="glu_silu", generation="tpu7x", interpret=pallas_helpers.interpret_params())
+    assert aligns == [128]
+    want = reference.moe_experts(x, ids, weights, reference.dequantize_weights(up, up_scales, fmt_name),
+                                 reference.dequantize_weights(down, down_scales, fmt_name), gate="glu_silu")
+    got = np.asarray(got.astype(jnp.float32), np.float64)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err <= TOL[jnp.bfloat16], f"{fmt_name}: relative error {err:.2e}, seed={SEED}"
