@@ -200,7 +200,6 @@ def parse_logs(paths) -> dict:
 
 
 def run(args) -> dict:
-    use_shipped_packages()
     results: dict = {}
     for chip in args.chips:
         for model in args.models:
@@ -309,6 +308,7 @@ def main(argv=None):
     peers = peer_formats(args)
     args.formats = [f for f in args.formats if not peer_format(f)] + [tpu_inference_peers.QUANTIZED_PREFIX + f
                                                                        for f in peers]
+    use_shipped_packages()  # the table asks the program which path each row ran
     results = parse_logs(args.from_logs) if args.from_logs else run(args)
     sections = []
     for chip in args.chips:
