@@ -71,20 +71,21 @@ def problem(model: str, tokens: int, fmt_name: str, rng_seed=0):
     return gs, flops, 2.0 * rows * hidden + weights + 4.0 * rows * hidden
 
 
-def layer_fn(fmt_name: str, gate: str, generation: str, fused: bool):
+def layer_fn(fmt_name: str, gate: str, generation: str, fused: bool, fused_tm: int | None = None):
+    """The layer of ``fmt_name``'s weights; quantized: the fused kernel at row
+    tile ``fused_tm`` when ``fused`` (decided on the problem's own rows, as
+    the program decides before it pads them), else the two grouped matmuls."""
     if fmt_name == "bf16":  # our bf16 kernels exactly as the layer table runs them
         return contender_fn("ours fused" if fused else "ours", gate, generation)
 
     from moe_experts_tpu.experts import pallas_fused_experts, program
 
     def fn(x, up, up_s, down, down_s, gs):
-        # The experts program's quantized path: the fused kernel where its rule
-        # (or the "fused" contender) takes it, else the two grouped matmuls
-        # (the gate at the up projection's store where it applies).
-        if fused or runs_fused(fmt_name, gate, generation, x.shape[0], up, down):
+        if fused:
             return pallas_fused_experts.fused_glu_experts(x, up, down, gs, gate=gate, generation=generation,
-                                                          up_scales=up_s, down_scales=down_s,
+                                                          tm=fused_tm, up_scales=up_s, down_scales=down_s,
                                                           weight_format=fmt_name)
+        # the gate at the up projection's store where it applies
         return program.two_matmuls(x, up, down, gs, gate=gate, alpha=1.702, limit=7.0, rhs_layout="nk",
                                    generation=generation, up_scales=up_s, down_scales=down_s,
                                    weight_format=fmt_name)
@@ -145,7 +146,15 @@ def estimate_one(chip: str, model: str, tokens: int, contender: str) -> tuple[fl
         return estimate_peer(chip, model, tokens, peer_format(contender))
     fmt_name, fused = contender.split()[0], contender.endswith("fused")
     gs, flops, min_bytes = problem(model, tokens, fmt_name)
-    fn = layer_fn(fmt_name, MODELS[model][4], chip, fused)
+    hidden, inter, experts, top_k, gate = MODELS[model]
+    rows, fused_tm = tokens * top_k, None
+    if fmt_name != "bf16":  # the program's path and row tile, on its unpadded rows
+        from moe_experts_tpu.experts import pallas_fused_experts
+
+        fused = fused or runs_fused(fmt_name, gate, chip, rows, *layer_args(fmt_name, model, tokens, gs)[1:4:2])
+        if fused:
+            fused_tm = pallas_fused_experts.fused_row_tile(gate, "nk", rows, hidden, inter, experts, 2, chip, fmt_name)
+    fn = layer_fn(fmt_name, gate, chip, fused, fused_tm)
     est = tpu_estimator.estimate(fn, aligned_layer_args(fmt_name, model, tokens, gs, chip, fused), chip,
                                  flops=flops, min_bytes=min_bytes)
     return est.seconds, est.roofline_s
@@ -254,8 +263,9 @@ def table(chip: str, results: dict, models, tokens_list, formats, peers=()) -> s
                     continue
                 t, r = cell[fmt_name]
                 hidden, inter, experts, top_k, gate = MODELS[model]
-                up, down = layer_args(fmt_name, model, tokens, None)[1:4:2]
-                fused = runs_fused(fmt_name, gate, chip, tokens * top_k, up, down)
+                base = fmt_name.split()[0]  # "int8 fused": the forced contender
+                up, down = layer_args(base, model, tokens, None)[1:4:2]
+                fused = fmt_name.endswith("fused") or runs_fused(base, gate, chip, tokens * top_k, up, down)
                 row[f"{fmt_name} us"] = f"{t * 1e6:.1f}" + ("*" if fused else "")
                 row[f"{fmt_name} speed-up"] = f"{best_bf16 / t:.2f}x" if best_bf16 else "-"
                 row[f"{fmt_name} / roofline"] = f"{t / r:.2f}"

@@ -90,13 +90,15 @@ def test_fused_quantized_rule_and_refusals():
     # Qwen3-30B-A3B at 4096 tokens on v6e: bf16, int8 and fp8 experts all fit with 256-row tiles
     for fmt_name in (None, "int8", "fp8"):
         assert pallas_fused_experts.fused_row_tile("glu_silu", "nk", 32768, 2048, 768, 128, 2, "v6e", fmt_name) == 256
-    # DeepSeek-V3's expert (I = 2048, H = 7168) fits nowhere in bf16, in int8 on v6e's 90 MiB
-    assert pallas_fused_experts.fused_row_tile("glu_silu", "nk", 4096, 7168, 2048, 256, 2, "v6e") is None
+    # DeepSeek-V3's expert (I = 2048, H = 7168: 44 MB in int8) fits nowhere in bf16, in int8 only v6e's budget
+    for chip in ("v6e", "tpu7x"):
+        assert pallas_fused_experts.fused_row_tile("glu_silu", "nk", 4096, 7168, 2048, 256, 2, chip) is None
     assert pallas_fused_experts.fused_row_tile("glu_silu", "nk", 4096, 7168, 2048, 256, 2, "tpu7x", "int8") is None
     assert pallas_fused_experts.fused_row_tile("glu_silu", "nk", 4096, 2048, 768, 128, 2, "v6e", "mxfp4") is None
-    # fp8's decoded copy counts: an expert that fits as int8 may not as fp8
-    ws = pallas_fused_experts.working_set_bytes
-    assert ws(256, 2048, 768, 2, weight_format="fp8") - ws(256, 2048, 768, 2, weight_format="int8") >= 3 * 768 * 2048 * 2
+    # fp8's decoded copy (and int8's f32 copies for f32 rows) count: tpu7x's 45 MiB takes Gemma-4's
+    # expert as int8 with bf16 rows at 256-row tiles, with f32 rows only at smaller tiles
+    assert pallas_fused_experts.fused_row_tile("glu_silu", "nk", 32768, 2816, 704, 128, 2, "tpu7x", "int8") == 256
+    assert pallas_fused_experts.fused_row_tile("glu_silu", "nk", 32768, 2816, 704, 128, 4, "tpu7x", "int8") < 256
 
     x = jnp.zeros((8, 256), jnp.bfloat16)
     sizes = jnp.array([4, 4], jnp.int32)
@@ -113,6 +115,8 @@ def test_fused_quantized_rule_and_refusals():
         call(down_s=jnp.ones((2, 128), jnp.float32))
     with pytest.raises(ValueError, match="rhs_scales must be float32 \\(2, 256\\)"):
         call(up_s=jnp.ones((2, 128), jnp.float32))
+    with pytest.raises(ValueError, match="gate_up must be \\[E, 2I, H\\]"):
+        call(up=jnp.zeros((2, 255, 256), jnp.int8))
     with pytest.raises(ValueError, match="without weight_format"):
         jax.eval_shape(lambda: pallas_fused_experts.fused_glu_experts(
             x, up.astype(jnp.bfloat16), down.astype(jnp.bfloat16), sizes, gate="glu_silu", up_scales=up_s))
@@ -123,17 +127,21 @@ def test_fused_quantized_rule_and_refusals():
 def test_fused_quantized_experts_compile_for_tpu_generations(fmt_name, generation):
     """The kernel lowers through Mosaic on every generation at Qwen3-30B-A3B's
     expert (H = 2048, I = 768; 8 of its 128 experts) with bf16 rows, the rule's
-    row tile at 32 and 256 rows a group, and at Gemma-4-26B-A4B's (I = 704:
-    fp8's scale block straddles the gate and up halves; v4 at smaller experts,
-    which its VMEM holds); the kernel's own weight
+    row tile at 32 rows a group (and 256 on v6e / tpu7x), and fp8 at
+    Gemma-4-26B-A4B's (I = 704: its scale block straddles the gate and up
+    halves); v4 at smaller experts, which its VMEM holds; the kernel's own weight
     pipeline on v5e / v6e / tpu7x, the grid's on v4 / v5p."""
     pytest.importorskip("libtpu")
     from moe_experts_tpu.common import aot, quant_formats
 
     fmt = quant_formats.weight_format(fmt_name)
-    shapes = ((256, 2048, 768, 8), (2048, 2048, 768, 8), (512, 2816, 704, 8))
+    shapes = [(256, 2048, 768, 8)]
+    if generation in ("v6e", "tpu7x"):  # 256 rows a group: 256-row tiles (tpu7x: computed by halves)
+        shapes.append((2048, 2048, 768, 8))
+    if fmt_name == "fp8":
+        shapes.append((512, 2816, 704, 8))
     if generation == "v4":  # 16 MiB of VMEM: no whole Qwen3 expert; I = 224 straddles a scale block too
-        shapes = ((256, 1024, 256, 8), (1024, 1024, 224, 8))
+        shapes = [(256, 1024, 256, 8), (1024, 1024, 224, 8)][:2 if fmt_name == "fp8" else 1]
     for m, hidden, inter, e in shapes:
         aot.compile_for(generation, lambda x, up, up_s, down, down_s, gs: pallas_fused_experts.fused_glu_experts(
             x, up, down, gs, gate="glu_silu", generation=generation, up_scales=up_s, down_scales=down_s,
@@ -143,6 +151,14 @@ def test_fused_quantized_experts_compile_for_tpu_generations(fmt_name, generatio
             (fmt.scales_shape(e, 2 * inter, hidden), jnp.dtype(fmt.scales_dtype)),
             (fmt.values_shape(e, hidden, inter), jnp.dtype(fmt.values_dtype)),
             (fmt.scales_shape(e, hidden, inter), jnp.dtype(fmt.scales_dtype)), ((e,), jnp.int32))
+    if generation == "tpu7x" and fmt_name == "int8":  # f32 rows (the tiles' f32 copies in the working set)
+        m, hidden, inter, e = 2048, 2816, 704, 8
+        aot.compile_for(generation, lambda x, up, up_s, down, down_s, gs: pallas_fused_experts.fused_glu_experts(
+            x, up, down, gs, gate="glu_silu", generation=generation, up_scales=up_s, down_scales=down_s,
+            weight_format=fmt_name),
+            ((m, hidden), jnp.float32), (fmt.values_shape(e, 2 * inter, hidden), jnp.int8),
+            (fmt.scales_shape(e, 2 * inter, hidden), jnp.float32), (fmt.values_shape(e, hidden, inter), jnp.int8),
+            (fmt.scales_shape(e, hidden, inter), jnp.float32), ((e,), jnp.int32))
 
 
 def test_program_takes_the_fused_kernel_by_the_rule():
@@ -167,6 +183,10 @@ def test_program_takes_the_fused_kernel_by_the_rule():
     assert tile("mxfp4", "v6e", 256) is None
     assert tile("int8", "v6e", 256, gate="gpt_oss") is None
     assert tile("int8", "v6e", 256, bias=jax.ShapeDtypeStruct((128, 1536), jnp.float32)) is None
+    # DeepSeek-V3's int8 expert fits v6e only at 32-row tiles (2.3x slower than the two matmuls): not taken
+    ds_up, ds_down = (jax.ShapeDtypeStruct(s, jnp.int8) for s in ((256, 4096, 7168), (256, 7168, 2048)))
+    assert pallas_fused_experts.fused_row_tile("glu_silu", "nk", 32768, 7168, 2048, 256, 2, "v6e", "int8") == 32
+    assert program.fused_kernel_row_tile(32768, ds_up, ds_down, None, None, "glu_silu", "nk", "v6e", "int8", 2) is None
 
 
 @pytest.mark.parametrize("fmt_name", ["int8", "fp8"])
@@ -185,6 +205,14 @@ def test_program_on_group_aligned_rows(fmt_name, monkeypatch):
         return real(cls, sorted_ids, group_sizes, align)
 
     monkeypatch.setattr(program.AlignedRows, "of", classmethod(record))
+    kernels = []
+    real_kernel = program.pallas_fused_experts.fused_glu_experts
+
+    def fused_kernel(*args, **kw):
+        kernels.append(kw["weight_format"])
+        return real_kernel(*args, **kw)
+
+    monkeypatch.setattr(program.pallas_fused_experts, "fused_glu_experts", fused_kernel)
     rng = np.random.default_rng([SEED, 77, fmt_name == "fp8"])
     tokens, experts = 601, 2
     x = np.asarray(jnp.asarray(rng.standard_normal((tokens, H)), jnp.bfloat16).astype(jnp.float32), np.float64)
@@ -200,7 +228,7 @@ def test_program_on_group_aligned_rows(fmt_name, monkeypatch):
         jnp.asarray(x, jnp.bfloat16), jnp.asarray(ids), jnp.asarray(weights), jnp.asarray(up), jnp.asarray(down),
         up_scales=jnp.asarray(up_scales), down_scales=jnp.asarray(down_scales), weight_format=fmt_name,
         gate="glu_silu", generation="tpu7x", interpret=pallas_helpers.interpret_params())
-    assert aligns == [128]
+    assert aligns == [128] and kernels == [fmt_name]
     want = reference.moe_experts(x, ids, weights, reference.dequantize_weights(up, up_scales, fmt_name),
                                  reference.dequantize_weights(down, down_scales, fmt_name), gate="glu_silu")
     got = np.asarray(got.astype(jnp.float32), np.float64)

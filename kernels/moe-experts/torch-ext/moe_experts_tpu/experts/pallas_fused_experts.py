@@ -67,24 +67,30 @@ QUANTIZED_FORMATS = ("int8", "fp8")
 
 def working_set_bytes(tm: int, hidden: int, inter: int, itemsize: int, out_itemsize: int = 4,
                       weight_format: str | None = None) -> int:
-    """Double-buffered expert weights, x and out tiles (the experts program
-    writes f32), and the f32 temporaries: gate and up, y, and the rows kept
-    from the previous visit of the tile. ``itemsize``: the rows' (and bf16
-    weights'); quantized weights take a byte each, and fp8 adds the decoded
-    expert (in the rows' dtype) and its expanded f32 scales."""
+    """Double-buffered expert weights, x and out tiles (out counted as f32,
+    the widest the callers ask for), and the f32 temporaries: gate and up, y,
+    and the rows kept from the previous visit of the tile. ``itemsize``: the
+    rows' (and bf16 weights'); quantized weights take a byte each, fp8 adds
+    the decoded expert (in the rows' dtype) and its expanded f32 scales, and
+    int8 with f32 rows the f32 copies of its tiles the dots take."""
     weights = 3 * inter * hidden * (itemsize if weight_format is None else 1)  # gate + up + down of one expert
     tiles = tm * hidden * itemsize + tm * hidden * out_itemsize  # x and out
     total = 2 * (weights + tiles) + 2 * tm * hidden * 4 + tm * 2 * inter * 4
     if weight_format == "fp8":
         expanded = [pallas_qgmm.fp8_expanded_scales_shape(n, k) for n, k in ((2 * inter, hidden), (hidden, inter))]
         total += 3 * inter * hidden * itemsize + sum(4 * r * c for r, c in expanded)
+    if weight_format == "int8" and itemsize == 4:
+        total += 3 * inter * hidden * 4
     return total
 
 
 def fused_row_tile(gate: str, rhs_layout: str, m: int, hidden: int, inter: int, num_experts: int,
-                   itemsize: int, generation: str | None, weight_format: str | None = None) -> int | None:
+                   itemsize: int, generation: str | None, weight_format: str | None = None,
+                   halve: bool = True) -> int | None:
     """Rows per tile for the fused kernel, or None where it cannot be used.
-    ``itemsize``: the rows' (bf16 weights are in the rows' dtype)."""
+    ``itemsize``: the rows' (bf16 weights are in the rows' dtype). ``halve``:
+    whether the tile may be halved until the working set fits (else None
+    where the rule's tile does not fit)."""
     if not gate.startswith("glu_") or not lowers_in_kernel(gate) or rhs_layout != "nk":
         return None
     if weight_format is not None and weight_format not in QUANTIZED_FORMATS:
@@ -101,7 +107,7 @@ def fused_row_tile(gate: str, rhs_layout: str, m: int, hidden: int, inter: int, 
     fraction = tiling_lib.FORWARD_VMEM_FRACTION.get(chip.name)
     budget = chip.large_vmem_limit * fraction[0] // fraction[1] if fraction else chip.large_vmem_budget
     while working_set_bytes(tm, hidden, inter, itemsize, weight_format=weight_format) > budget:
-        if tm <= sublane(itemsize):
+        if tm <= sublane(itemsize) or not halve:
             return None
         tm = max(sublane(itemsize), tm // 2)
     return tm
@@ -193,7 +199,12 @@ def check_quantized_args(x, gate_up, down, up_scales, down_scales, weight_format
     if weight_format not in QUANTIZED_FORMATS:
         raise ValueError(f"weight_format: the fused experts kernel reads {QUANTIZED_FORMATS} weights, got "
                          f"{weight_format!r} (mxfp4: the two grouped matmuls)")
-    quantized.check_quantized_gmm_args(x, gate_up, up_scales, weight_format, "nk")
+    if gate_up.ndim != 3 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [E, 2I, H] (gate rows, then up rows), got shape {tuple(gate_up.shape)}")
+    try:
+        quantized.check_quantized_gmm_args(x, gate_up, up_scales, weight_format, "nk")
+    except ValueError as e:  # the same checks, named for the gate / up projection
+        raise ValueError(f"x / gate_up / up_scales (the [E, 2I, H] gate and up projections): {e}") from None
     inter = gate_up.shape[1] // 2
     try:
         quantized.check_quantized_gmm_args(jax.ShapeDtypeStruct((x.shape[0], inter), x.dtype), down, down_scales,

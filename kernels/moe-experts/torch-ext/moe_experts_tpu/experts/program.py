@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from ..common import tpu_generations
 from ..gmm import pallas_gmm, pallas_qgmm, tiling
 from . import pallas_fused_experts
-from .gates import apply_gate, gate_halves, kernel_gate
+from .gates import apply_gate, gate_halves, kernel_gate, lowers_in_kernel
 
 def experts_forward(
     hidden_states,  # [T, H]
@@ -255,8 +255,10 @@ def _quantized_experts(hidden_states, ids, order, sorted_ids, group_sizes, top_k
     act_dtype = jnp.float32 if hidden_states.dtype == jnp.float32 else jnp.bfloat16
     fused_tm = fused_kernel_row_tile(ids.shape[0], up_weight, down_weight, up_bias, down_bias, gate, rhs_layout,
                                      generation, weight_format, jnp.dtype(act_dtype).itemsize)
-    if fused and (up_bias is not None or down_bias is not None or not gate.startswith("glu_")):
-        raise ValueError(f"fused=True: the fused experts kernel runs GLU gates without biases, got gate={gate!r}"
+    if fused and (up_bias is not None or down_bias is not None or not gate.startswith("glu_")
+                  or not lowers_in_kernel(gate)):
+        raise ValueError(f"fused=True: the fused experts kernel runs GLU gates it lowers in the kernel, without "
+                         f"biases, got gate={gate!r}"
                          f"{' with biases' if up_bias is not None or down_bias is not None else ''}; "
                          "leave fused=None")
     fused = fused_tm is not None if fused is None else fused
@@ -298,7 +300,7 @@ TWO_MATMULS_FROM_ROWS_PER_GROUP = {"v5e": 256}
 # measured), and v5e's ``TWO_MATMULS_FROM_ROWS_PER_GROUP`` holds for every
 # format. TPU estimator, the layer (``bench_quantized_estimates``, two
 # matmuls -> fused, us; Qwen3-30B-A3B / Gemma-4-26B-A4B, 128 experts, top 8):
-# - int8, v6e: 8 tokens (0.5 rows a group) 148.9 -> 148.3 / 188.1 -> 186.5,
+# - int8, v6e: 8 tokens (0.5 rows an expert on average) 148.9 -> 148.3 / 188.1 -> 186.5,
 #   64 tokens (4) 382.2 -> 382.1 / 482.8 -> 507.0, 512 (32) 438.4 -> 436.2 /
 #   575.2 -> 582.3, 1024 (64) 527.7 -> 484.5 / 699.0 -> 646.7, 2048 (128)
 #   708.4 -> 581.2 / 935.1 -> 775.6, 4096 (256) 897.9 -> 770.7 / 1154.5 ->
@@ -306,7 +308,7 @@ TWO_MATMULS_FROM_ROWS_PER_GROUP = {"v5e": 256}
 #   227.8 / 358.2 -> 320.8, 512 349.7 -> 285.5 / 449.0 -> 401.3, 4096 688.6
 #   -> 575.8 / 887.9 -> 777.4 (the weights' whole-expert fetch and no
 #   intermediate in HBM; tpu7x's two int8 matmuls sit at 1.7x their roofline).
-#   v5e: 8 tokens (1 row a group) 294.5 -> 296.1 / 372.3 -> 372.4, 64 tokens
+#   v5e: 8 tokens (0.5 rows an expert) 294.5 -> 296.1 / 372.3 -> 372.4, 64 tokens
 #   892.7 -> 824.3 / 1188.9 -> 1117.0, 512 1114.0 -> 1023.4 / 1488.1 ->
 #   1389.2, 4096 2404.7 -> 2456.8 / 3163.4 -> 3336.1 (its 128-row tiles, as
 #   for bf16). fp8 on v5e loses everywhere (8 tokens 292.3 -> 542.6, 4096
@@ -327,7 +329,8 @@ def fused_kernel_row_tile(m, up_weight, down_weight, up_bias, down_bias, gate, r
     """The documented rule of the module docstring: the fused kernel's row
     tile, or None when the two grouped matmuls must be used. Quantized
     weights (``weight_format``, rows of ``act_itemsize`` bytes): from
-    ``FUSED_QUANTIZED_FROM_ROWS_PER_GROUP`` rows a group."""
+    ``FUSED_QUANTIZED_FROM_ROWS_PER_GROUP`` rows a group, where the expert
+    fits at the rule's row tile (not halved to fit)."""
     if up_bias is not None or down_bias is not None or up_weight.dtype != down_weight.dtype:
         return None
     num_experts, two_inter, hidden = up_weight.shape
@@ -340,9 +343,12 @@ def fused_kernel_row_tile(m, up_weight, down_weight, up_bias, down_bias, gate, r
         fused_from = FUSED_QUANTIZED_FROM_ROWS_PER_GROUP.get(weight_format, {}).get(chip)
         if fused_from is None or rows_per_group < fused_from:
             return None
+    # Quantized weights only at the rule's own row tile: DeepSeek-V3's int8
+    # expert fits v6e only at 32-row tiles, 21437.4 us against the two
+    # matmuls' 9405.9 at 4096 tokens (estimated, the layer).
     return pallas_fused_experts.fused_row_tile(gate, rhs_layout, m, hidden, two_inter // 2, num_experts,
                                                act_itemsize or up_weight.dtype.itemsize, generation,
-                                               weight_format)
+                                               weight_format, halve=weight_format is None)
 
 
 def _combine(out, rows, ids, num_experts: int, top_k_weights, dtype, down_bias=None):
