@@ -161,7 +161,8 @@ def estimate_one(chip: str, model: str, tokens: int, contender: str) -> tuple[fl
 
 
 def aligned_layer_args(fmt_name: str, model: str, tokens: int, gs, chip: str, fused: bool):
-    """``layer_args`` on the rows as the experts program lays them out: where
+    """``layer_args`` on the rows as the experts program lays them out for the
+    path ``fused`` (as ``estimate_one`` decided it): where
     ``program.group_alignment`` aligns each expert's rows for the path that
     runs (tpu7x from 256 rows a group, v6e's two matmuls from 512, below
     1024), ``rows + E x 127`` rows and the sizes rounded up (as
@@ -174,10 +175,8 @@ def aligned_layer_args(fmt_name: str, model: str, tokens: int, gs, chip: str, fu
     hidden, inter, experts, top_k, gate = MODELS[model]
     rows = tokens * top_k
     args = layer_args(fmt_name, model, tokens, gs)
-    if fmt_name != "bf16":
-        fused = fused or runs_fused(fmt_name, gate, chip, rows, args[1], args[3])
-        if chip not in program.GROUP_ALIGN_QUANTIZED.get(fmt_name, ()):
-            return args
+    if fmt_name != "bf16" and chip not in program.GROUP_ALIGN_QUANTIZED.get(fmt_name, ()):
+        return args
     align = program.group_alignment(rows, experts, fused, chip)
     if align == 1:
         return args
